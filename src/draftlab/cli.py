@@ -1,0 +1,128 @@
+"""`draftlab` command line: a thin translation from flags and `--params` to stage functions.
+
+Heavy libraries (torch, transformers, speculators, mlflow) are imported inside commands, so
+`draftlab --help` and params errors answer at once. User errors print one line and exit 2.
+
+    draftlab --help
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Reproducible EAGLE-3 draft training on speculators: target → prepare → extract → train → evaluate → export.",
+)
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="Params file (see `draftlab params`).")]
+TargetOpt = Annotated[Path, typer.Option("--target", help="The target stage's folder (tiny model or pointer).")]
+
+
+def _fail(message: str) -> None:
+    from draftlab.console import console
+
+    console.print(f"[red]error[/]: {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _load(params_path: Path):
+    from draftlab.params import ParamsError, load_params
+
+    try:
+        return load_params(params_path)
+    except ParamsError as err:
+        _fail(str(err))
+
+
+def _guard(fn):
+    """Turn user errors raised inside a stage into one line and exit code 2."""
+    from draftlab.params import ParamsError
+    from draftlab.stages.prepare import RecordError
+
+    try:
+        return fn()
+    except (ParamsError, RecordError, FileNotFoundError) as err:
+        _fail(str(err))
+
+
+@app.command()
+def target(
+    params: ParamsOpt = Path("params.yaml"),
+    out: Annotated[Path, typer.Option(help="Target folder: the tiny model, or a pointer to a real one.")] = Path("models/target"),
+    report: Annotated[Path, typer.Option(help="JSON report of what was built.")] = Path("reports/target.json"),
+) -> None:
+    """Build the tiny default target (or record which real target is used)."""
+    p = _load(params)
+    from draftlab.stages import target as stage
+
+    _guard(lambda: stage.run(p, out_dir=out, report_path=report))
+
+
+@app.command()
+def prepare(
+    params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")] = Path("data/prepared"),
+) -> None:
+    """Conversations → tokenized, loss-masked dataset in speculators' format."""
+    p = _load(params)
+    from draftlab.stages import prepare as stage
+
+    _guard(lambda: stage.run(p, target_dir=target, out_dir=out))
+
+
+@app.command()
+def extract(
+    params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
+    out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+) -> None:
+    """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
+    p = _load(params)
+    from draftlab.stages import extract as stage
+
+    _guard(lambda: stage.run(p, target_dir=target, data_dir=data, out_dir=out))
+
+
+@app.command()
+def verify(
+    store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    quick: Annotated[bool, typer.Option(help="Check sizes only, skip re-hashing.")] = False,
+) -> None:
+    """Name every missing, truncated or corrupt file of a hidden-state store."""
+    from draftlab import store as st
+    from draftlab.console import console
+
+    problems = _guard(lambda: st.verify(store, full=not quick))
+    for line in problems:
+        console.print(line, soft_wrap=True)
+    if problems:
+        _fail(f"{store}: {len(problems)} bad file(s); rerun `dvc repro extract` (or `draftlab extract`) to redo them")
+    console.print(f"[green]ok[/]: {store} matches its manifest")
+
+
+@app.command("params")
+def params_reference() -> None:
+    """Print the params reference (every key, its default and meaning)."""
+    from draftlab.params import Params, reference
+
+    typer.echo(reference(Params))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

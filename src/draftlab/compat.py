@@ -1,0 +1,196 @@
+"""Run speculators' own trainer on CPU (gloo) as well as on CUDA.
+
+speculators 0.9.0's trainer assumes an accelerator in four places, each a name
+looked up at call time in one of its modules, so each is replaced there and
+nowhere else (torch itself is left alone):
+
+- ``train.cli.maybe_setup_distributed`` calls ``torch.accelerator.set_device_index``
+  and picks the backend of the current accelerator -> on CPU: gloo, no device id.
+- ``train.cli.Trainer`` moves the model and every batch with ``.to(local_rank)``
+  (an int, i.e. ``cuda:<n>``) and autocasts on ``"cuda"`` when there is no
+  accelerator -> a subclass that sets the device to ``cpu`` before ``setup_model``.
+- ``train.trainer._StepTimer`` calls ``torch.accelerator.synchronize()`` on every
+  logged step -> a subclass that only reads the clock.
+- ``train.checkpointer.get_current_device`` answers ``"cuda:0"`` without an
+  accelerator (used when resuming) -> ``"cpu"``.
+
+:func:`run_trainer` also offers the one seam the trainer lacks: extra handlers on the
+``speculators.metrics`` logger, attached right after speculators configures it (its
+``dictConfig`` would drop any attached earlier). It exits non-zero when a signal
+cut training short (speculators then saves ``<save_path>/interrupted`` and returns
+normally, so a lone process would otherwise exit 0).
+
+Two more CPU limits are flags, not patches: FlexAttention has no CPU backward
+(``--draft-attn-impl sdpa``) and the fused loss needs Triton
+(``--loss-implementation eager``); :func:`run_trainer` refuses a CPU run without them.
+On CUDA nothing is patched.
+
+Run one rank:   python -m draftlab.train_rank <speculators train flags>
+Run N ranks:    torchrun --nproc-per-node N -m draftlab.train_rank <flags>
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+SPECULATORS_VERSION = "0.9.0"
+DEVICE_TYPES = ("cpu", "cuda")
+
+_patched_device_type: str | None = None
+
+
+def check_speculators_version() -> None:
+    """Raise if the installed speculators is not the version these patches were written for."""
+    installed = importlib.metadata.version("speculators")
+    if installed != SPECULATORS_VERSION:
+        raise RuntimeError(
+            f"draftlab.compat was written for speculators {SPECULATORS_VERSION}, but "
+            f"{installed} is installed: re-read its trainer for accelerator assumptions, "
+            "update the patches and tests/unit/test_compat.py, then SPECULATORS_VERSION."
+        )
+
+
+def default_device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def patch_speculators_for_device(device_type: str) -> None:
+    """Make speculators' trainer run on ``device_type``; idempotent, a no-op on CUDA."""
+    global _patched_device_type
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
+    check_speculators_version()
+    if _patched_device_type is not None:
+        if _patched_device_type != device_type:
+            raise RuntimeError(
+                f"speculators is already patched for {_patched_device_type!r}; "
+                f"cannot switch this process to {device_type!r}"
+            )
+        return
+    if device_type == "cpu":
+        from speculators.train import checkpointer, cli, trainer
+
+        cli.maybe_setup_distributed = _maybe_setup_distributed_on_host
+        cli.Trainer = _host_trainer_class()
+        trainer._StepTimer = _host_step_timer_class()
+        checkpointer.get_current_device = lambda: "cpu"
+    _patched_device_type = device_type
+
+
+def _maybe_setup_distributed_on_host(sp_size: int = 1) -> None:
+    """``distributed.maybe_setup_distributed`` with gloo and no device binding.
+
+    Mirrors the stock function line for line apart from the accelerator calls, and
+    fills the same module state through its own ``_init_sp_process_groups``.
+    """
+    import torch.distributed as dist
+    from speculators.train import distributed
+
+    if "LOCAL_RANK" not in os.environ:
+        distributed.maybe_setup_distributed(sp_size)  # touches no accelerator
+        return
+    dist.init_process_group("gloo")
+    distributed._local_rank = int(os.environ["LOCAL_RANK"])
+    distributed._is_distributed = True
+    distributed._rank = dist.get_rank()
+    distributed._world_size = dist.get_world_size()
+    distributed._init_sp_process_groups(distributed._rank, distributed._world_size, sp_size)
+    distributed.logger.info(
+        f"Started distributed (gloo, cpu) with local_rank={distributed._local_rank}, "
+        f"dp_size={distributed._dp_size}, sp_size={distributed._sp_size}",
+        extra={"override_rank0_filter": True},
+    )
+
+
+def _host_trainer_class():
+    import torch
+    from speculators.train.trainer import Trainer
+
+    class HostTrainer(Trainer):
+        """The stock Trainer with the model, the batches and autocast on the CPU."""
+
+        def setup_model(self):
+            # `local_rank` is only ever the target of `.to()` in Trainer; without an
+            # accelerator `device_type` would fall back to "cuda" (autocast disabled,
+            # bf16 batches meeting fp32 weights).
+            self.local_rank = torch.device("cpu")
+            self.device_type = "cpu"
+            super().setup_model()
+
+    return HostTrainer
+
+
+def _host_step_timer_class():
+    from speculators.train.trainer import _StepTimer
+
+    class HostStepTimer(_StepTimer):
+        """The stock step timer without device synchronisation (CPU ops are synchronous)."""
+
+        def mark(self, name: str) -> None:
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
+
+        def now(self) -> float | None:
+            return time.perf_counter() if self.enabled else None
+
+    return HostStepTimer
+
+
+def check_config_for_device(cfg, device_type: str) -> None:
+    """Raise ValueError when a resolved TrainConfig cannot run on ``device_type``."""
+    if device_type != "cpu":
+        return
+    if cfg.draft.draft_attn_impl == "simple_flex_attention":
+        raise ValueError(
+            "draft.draft_attn_impl: FlexAttention has no CPU backward; "
+            "pass --draft-attn-impl sdpa (or eager) on CPU"
+        )
+    if cfg.loss.loss_implementation == "fused":
+        raise ValueError(
+            "loss.loss_implementation: the fused loss needs Triton on a GPU; "
+            "pass --loss-implementation eager on CPU"
+        )
+
+
+def run_trainer(
+    argv: list[str],
+    *,
+    device_type: str | None = None,
+    metric_handlers: Sequence[logging.Handler] = (),
+) -> None:
+    """Patch for the device, then run ``speculators train`` with ``argv`` in this process.
+
+    Under torchrun every rank calls this with the same argv. ``metric_handlers`` receive
+    every record of the ``speculators.metrics`` logger on this rank (nested dicts; the
+    step in ``record.step``, ``record.hparams`` set on the config record).
+    """
+    device_type = device_type or default_device_type()
+    patch_speculators_for_device(device_type)
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    cfg = TrainConfig.resolve(list(argv))
+    check_config_for_device(cfg, device_type)
+    stock_setup_metric_logger = cli.setup_metric_logger
+
+    def setup_metric_logger(*args, **kwargs):
+        stock_setup_metric_logger(*args, **kwargs)
+        for handler in metric_handlers:
+            logging.getLogger("speculators.metrics").addHandler(handler)
+
+    cli.setup_metric_logger = setup_metric_logger
+    started_s = time.time()
+    try:
+        cli.main(cfg)
+    finally:
+        cli.setup_metric_logger = stock_setup_metric_logger
+    interrupted = Path(cfg.trainer.save_path) / "interrupted" / "model.safetensors"
+    if interrupted.exists() and interrupted.stat().st_mtime >= started_s:
+        raise SystemExit(f"training interrupted by a signal; state saved in {interrupted.parent}")

@@ -1,0 +1,278 @@
+"""The `extract` stage: the target's hidden states for every prepared sample, one
+`hs_<i>.safetensors` per dataset row, exactly as speculators 0.9 reads them.
+
+Auxiliary layer id k is the input of decoder layer k (vLLM's EAGLE-3 convention: the residual
+stream after k layers); the 4th slot is the final layer's output *before* the final norm
+(HF's last `output_hidden_states` entry is after it). Both are captured with forward
+pre-hooks, so no other layer's states are kept in memory.
+
+Resumable: batches are composed from sample lengths alone (index order, up to
+`extract.batch_tokens` padded tokens), files are written atomically, and a batch counts as done
+only once the journal says so — a kill -9 and a rerun give a byte-identical store.
+
+    draftlab extract --params params.yaml --data data/prepared --out data/hidden_states
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab import store
+from draftlab.params import Params, ParamsError
+from draftlab.util import sha256_file, write_bytes_atomic, write_json_atomic
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    store_dir: Path
+    num_files: int
+    num_tokens: int
+    total_bytes: int
+    extracted_now: int
+    tokens_per_s: float
+
+
+def plan_batches(seq_lens: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive sample indices per batch, padded size (count × longest) ≤ batch_tokens."""
+    batches, cur, longest = [], [], 0
+    for i, n in enumerate(seq_lens):
+        new_longest = max(longest, n)
+        if cur and new_longest * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, new_longest = [], n
+        cur.append(i)
+        longest = new_longest
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class LayerCapture:
+    """Forward pre-hooks that keep the residual stream entering the chosen layers and the
+    final norm: hidden_BTH for each aux layer, then the pre-norm final layer."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        inner = model.model
+        self.layers = inner.layers
+        if max(layer_ids) >= len(self.layers):
+            raise ParamsError(
+                f"extract.layer_ids: {layer_ids} out of range for a target with {len(self.layers)} layers"
+            )
+        self.captured: dict[str, object] = {}
+        self.handles = [
+            self.layers[k].register_forward_pre_hook(self._hook(f"aux{j}"), with_kwargs=True)
+            for j, k in enumerate(layer_ids)
+        ]
+        self.handles.append(inner.norm.register_forward_pre_hook(self._hook("final"), with_kwargs=True))
+
+    def _hook(self, name):
+        def fn(module, args, kwargs):
+            self.captured[name] = args[0] if args else kwargs["hidden_states"]
+
+        return fn
+
+    def stacked(self):
+        """[B, T, 4, H] in capture order: aux0, aux1, aux2, final."""
+        import torch
+
+        return torch.stack([self.captured[k] for k in ("aux0", "aux1", "aux2", "final")], dim=2)
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def target_identity(params: Params, target_dir: Path) -> dict:
+    """What makes one target differ from another, cheaply (no hashing of TB of weights)."""
+    from draftlab.stages.target import resolve
+
+    t = params.target
+    if t.source == "hub":
+        return {"hub_id": t.path}
+    path = Path(resolve(params, target_dir))
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors", ".bin"))
+    sig = {p.name: p.stat().st_size for p in files}
+    return {"config_sha256": sha256_file(path / "config.json"), "files": sig}
+
+
+def dataset_fingerprint(data_dir: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(data_dir.glob("*.arrow")):
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def vllm_command(params: Params, *, data_dir: Path, out_dir: Path) -> list[str]:
+    """speculators' own offline generator against a vLLM server (GPU hosts)."""
+    if not params.extract.vllm_url:
+        raise ParamsError("extract.vllm_url: required when extract.backend is 'vllm'")
+    return [
+        "speculators", "generate-offline-data",
+        "--model", params.target.path,
+        "--endpoint", params.extract.vllm_url,
+        "--preprocessed-data", str(data_dir),
+        "--output", str(out_dir),
+        "--validate-outputs",
+        "--fail-on-error",
+    ]
+
+
+def _check_disk(out_dir: Path, need_bytes: int, min_free_frac: float) -> None:
+    usage = shutil.disk_usage(out_dir)
+    if need_bytes > usage.free - min_free_frac * usage.total:
+        raise ParamsError(
+            f"extract: the store needs {need_bytes / 2**30:.2f} GiB more but {out_dir} has "
+            f"{usage.free / 2**30:.2f} GiB free (keeping {min_free_frac:.0%} spare); free space or move the store"
+        )
+
+
+def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None) -> ExtractResult:
+    import torch
+    from datasets import load_from_disk
+    from rich.progress import Progress, TextColumn
+    from safetensors.torch import save
+
+    from draftlab.console import console, progress_columns
+    from draftlab.stages.target import load_target
+
+    if params.extract.backend == "vllm":
+        import subprocess
+
+        cmd = vllm_command(params, data_dir=data_dir, out_dir=out_dir)
+        console.print("[bold]extract[/]: " + " ".join(cmd))
+        subprocess.run(cmd, check=True)
+        return _manifest_from_files(params, data_dir=data_dir, out_dir=out_dir)
+
+    ds = load_from_disk(str(data_dir))
+    seq_lens = list(ds["seq_len"])
+    model, _ = load_target(params, target_dir)
+    cfg = model.config
+    num_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
+    dtype = params.extract.dtype
+    key_fields = {
+        "target": target_identity(params, target_dir),
+        "layer_ids": layer_ids,
+        "dtype": dtype,
+        "dataset": dataset_fingerprint(data_dir),
+        "format": "speculators-0.9/hs_i.safetensors",
+    }
+    key = store.store_key(key_fields)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        journal = store.Journal.open(out_dir, key)
+    except store.StaleStoreError as stale:
+        # Files of other params must never mix in; move them aside rather than delete hours of work.
+        aside = out_dir.parent / f".stale-{out_dir.name}-{(stale.old_key or 'unknown')[:12]}"
+        console.print(f"[yellow]extract[/]: params changed; moving the old store aside to {aside} (delete it when not needed)")
+        shutil.rmtree(aside, ignore_errors=True)
+        out_dir.rename(aside)
+        out_dir.mkdir(parents=True)
+        journal = store.Journal.open(out_dir, key)
+
+    batches = plan_batches(seq_lens, params.extract.batch_tokens)
+    todo = [b for b in batches if not all(i in journal.done for i in b)]
+    remaining_tokens = sum(seq_lens[i] for b in todo for i in b)
+    _check_disk(out_dir, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
+                params.extract.min_free_disk_frac)
+
+    capture = LayerCapture(model, layer_ids)
+    torch_dtype = getattr(torch, dtype)
+    pad = 0
+    started = time.perf_counter()
+    done_tokens = 0
+    console.print(
+        f"[bold]extract[/]: {len(seq_lens)} samples, layers {layer_ids} + final (pre-norm), H={hidden}, "
+        f"{dtype}; {len(batches) - len(todo)}/{len(batches)} batches already done"
+    )
+    try:
+        with Progress(*progress_columns(TextColumn("{task.fields[rate]}")), console=console) as progress:
+            task = progress.add_task("extracting", total=remaining_tokens, rate="")
+            for batch in todo:
+                rows = [ds[i]["input_ids"] for i in batch]
+                width = max(len(r) for r in rows)
+                input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for r, ids in enumerate(rows):
+                    input_ids[r, : len(ids)] = torch.as_tensor(ids)
+                    mask[r, : len(ids)] = 1
+                with torch.no_grad():
+                    model.model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device))
+                hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
+                records = []
+                for r, i in enumerate(batch):
+                    n = len(rows[r])
+                    blob = save({
+                        "hidden_states": hidden_BT4H[r, :n].contiguous(),
+                        "token_ids": input_ids[r, :n].clone(),
+                    })
+                    write_bytes_atomic(out_dir / store.file_name(i), blob)
+                    records.append({"index": i, "name": store.file_name(i), "bytes": len(blob),
+                                    "sha256": hashlib.sha256(blob).hexdigest(), "tokens": n})
+                journal.record(records)
+                done_tokens += sum(len(r) for r in rows)
+                rate = done_tokens / max(time.perf_counter() - started, 1e-9)
+                progress.update(task, advance=sum(len(r) for r in rows), rate=f"{rate:,.0f} tok/s")
+    finally:
+        capture.close()
+
+    files = [journal.done[i] for i in range(len(seq_lens))]
+    manifest = {
+        "key": key,
+        "key_fields": key_fields,
+        "target": {"path": params.target.path, "source": params.target.source,
+                   "num_layers": num_layers, "hidden_size": hidden, "vocab_size": cfg.vocab_size},
+        "layer_ids": layer_ids,
+        "dtype": dtype,
+        "num_files": len(files),
+        "num_tokens": sum(f["tokens"] for f in files),
+        "total_bytes": sum(f["bytes"] for f in files),
+        "bytes_per_token_analytic": store.bytes_per_token(hidden, dtype),
+        "files": files,
+    }
+    write_json_atomic(out_dir / store.MANIFEST, manifest)
+    elapsed = time.perf_counter() - started
+    tps = done_tokens / elapsed if done_tokens else 0.0
+    console.print(
+        f"[bold]extract[/]: {len(files)} files, {manifest['num_tokens']:,} tokens, "
+        f"{manifest['total_bytes'] / 2**20:.1f} MiB → {out_dir} "
+        f"({done_tokens:,} tokens extracted now at {tps:,.0f} tok/s)"
+    )
+    return ExtractResult(out_dir, len(files), manifest["num_tokens"], manifest["total_bytes"], done_tokens, tps)
+
+
+def _manifest_from_files(params: Params, *, data_dir: Path, out_dir: Path) -> ExtractResult:
+    """Manifest for a store another writer produced (the vllm backend): hash what is there."""
+    from datasets import load_from_disk
+    from safetensors import safe_open
+
+    ds = load_from_disk(str(data_dir))
+    files = []
+    for i in range(len(ds)):
+        path = out_dir / store.file_name(i)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: speculators generate-offline-data did not write it")
+        with safe_open(path, "pt") as f:
+            shape = f.get_slice("hidden_states").get_shape()
+        files.append({"index": i, "name": path.name, "bytes": path.stat().st_size,
+                      "sha256": sha256_file(path), "tokens": shape[0]})
+    layer_ids = params.extract.layer_ids
+    manifest = {
+        "key": store.store_key({"target": params.target.path, "layer_ids": layer_ids, "backend": "vllm"}),
+        "target": {"path": params.target.path, "source": params.target.source, "hidden_size": shape[2]},
+        "layer_ids": layer_ids,
+        "dtype": params.extract.dtype,
+        "num_files": len(files),
+        "num_tokens": sum(f["tokens"] for f in files),
+        "total_bytes": sum(f["bytes"] for f in files),
+        "files": files,
+    }
+    write_json_atomic(out_dir / store.MANIFEST, manifest)
+    return ExtractResult(out_dir, len(files), manifest["num_tokens"], manifest["total_bytes"], 0, 0.0)
