@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -148,14 +148,15 @@ class Extract(Section):
         0.05, ge=0, lt=1, description="Refuse to start if the store would leave less than this free."
     )
 
-    @model_validator(mode="after")
-    def _three_layers(self) -> Extract:
-        if self.layer_ids is not None:
-            if len(self.layer_ids) != 3:
-                raise ValueError("layer_ids needs exactly 3 ids (a 4th crashes vLLM's EAGLE-3 loader)")
-            if len(set(self.layer_ids)) != 3 or min(self.layer_ids) < 0:
-                raise ValueError("layer_ids must be 3 distinct non-negative ids")
-        return self
+    @field_validator("layer_ids")
+    @classmethod
+    def _three_layers(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None:
+            if len(ids) != 3:
+                raise ValueError("needs exactly 3 ids (a 4th crashes vLLM's EAGLE-3 loader)")
+            if len(set(ids)) != 3 or min(ids) < 0:
+                raise ValueError("needs 3 distinct non-negative ids")
+        return ids
 
 
 class Params(Section):

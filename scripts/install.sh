@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Install draftlab and its pinned CPU environment into a fresh virtual environment (.venv).
+#
+#   scripts/install.sh            # runtime only
+#   scripts/install.sh --test     # plus what the test suite needs
+#
+# torch is installed first, alone, at exactly 2.13.0: with no torch present, anything that asks
+# for plain `torch` pulls a multi-GB CUDA build. On hosts where `pip install torch==2.13.0`
+# would fetch that CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+# Everything else comes from the lock with --no-deps: speculators declares torchvision and
+# torchaudio, which it never imports and which break `import transformers` beside a CPU torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+VENV="${VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
+
+"${PIP[@]}" install --upgrade "pip>=24"
+torch_args=(torch==2.13.0)
+if [ -n "${TORCH_INDEX_URL:-}" ]; then torch_args+=(--index-url "$TORCH_INDEX_URL"); fi
+"${PIP[@]}" install "${torch_args[@]}"
+"${PIP[@]}" install --no-deps -r requirements/cpu.txt
+if [ "${1:-}" = "--test" ]; then
+  "${PIP[@]}" install --no-deps -r requirements/test.txt
+fi
+"${PIP[@]}" install --no-deps --no-build-isolation -e .
+
+# Fail here, not in the first stage, if the environment is broken.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, sys
+import torch, transformers  # noqa: F401  (transformers breaks here if a stray torchvision is present)
+for name, want in {"torch": "2.13.0", "speculators": "0.9.0", "transformers": "5.19.0"}.items():
+    got = md.version(name).split("+")[0]
+    if got != want:
+        sys.exit(f"install: {name} is {got}, expected {want}")
+for stray in ("torchvision", "torchaudio"):
+    try:
+        md.version(stray)
+        sys.exit(f"install: {stray} is installed; it breaks transformers beside a CPU torch — remove it")
+    except md.PackageNotFoundError:
+        pass
+print(f"installed: torch {torch.__version__}, transformers {transformers.__version__}, draftlab into {sys.prefix}")
+PY

@@ -1,0 +1,166 @@
+"""draftlab.compat: the pin, and the speculators symbols its patches rely on.
+
+These fail loudly when a speculators upgrade moves what the patches replace; the
+end-to-end proof is tests/integration/test_compat_torchrun.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import re
+import socket
+
+import pytest
+
+from draftlab import compat
+
+
+@pytest.fixture
+def restore_speculators(monkeypatch):
+    """Undo compat's patches after the test (they are process-wide by design)."""
+    from speculators.train import checkpointer, cli, trainer
+
+    for module, name in [
+        (cli, "maybe_setup_distributed"),
+        (cli, "Trainer"),
+        (cli, "setup_metric_logger"),
+        (trainer, "_StepTimer"),
+        (checkpointer, "get_current_device"),
+    ]:
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(compat, "_patched_device_type", None)
+
+
+def test_installed_speculators_is_the_pinned_version():
+    assert importlib.metadata.version("speculators") == compat.SPECULATORS_VERSION == "0.9.0"
+
+
+def test_a_different_speculators_version_fails_loudly(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
+    with pytest.raises(RuntimeError, match="written for speculators 0.9.0, but 0.10.0"):
+        compat.check_speculators_version()
+
+
+def test_cli_main_looks_up_the_patched_names_at_call_time():
+    from speculators.train import cli
+
+    source = inspect.getsource(cli.main)
+    for call in ("setup_metric_logger(", "maybe_setup_distributed()", "Trainer(draft_model"):
+        assert call in source
+    assert inspect.signature(cli.setup_metric_logger).parameters.keys() == {
+        "loggers", "run_name", "output_dir",
+    }  # fmt: skip
+
+
+def test_stock_distributed_setup_still_binds_an_accelerator():
+    from speculators.train import distributed
+
+    source = inspect.getsource(distributed.maybe_setup_distributed)
+    assert "torch.accelerator.set_device_index(local_rank)" in source
+    assert "device_id=local_rank" in source
+    assert list(inspect.signature(distributed._init_sp_process_groups).parameters) == [
+        "rank", "world_size", "sp_size",
+    ]  # fmt: skip
+    for state in ("_local_rank", "_rank", "_world_size", "_is_distributed", "_dp_size", "_sp_size"):
+        assert hasattr(distributed, state), state
+
+
+def test_trainer_uses_local_rank_only_as_a_device_and_sets_it_before_setup_model():
+    from speculators.train.trainer import Trainer
+
+    init = inspect.getsource(Trainer.__init__)
+    assert init.index("self.local_rank = get_local_rank()") < init.index("self.setup_model()")
+    assert init.index("self.device_type =") < init.index("self.setup_model()")
+    source = inspect.getsource(Trainer)
+    # Each use: the assignment in __init__, or the argument of a `.to(` (model, batches).
+    uses = re.findall(r"(\S*)self\.local_rank\b(.{0,3})", source)
+    assert len(uses) == 5 and all(
+        (before, after) == ("", " = ") or before.endswith(".to(") for before, after in uses
+    ), uses
+    assert "torch.autocast(\n                self.device_type" in source
+
+
+def test_step_timer_and_checkpointer_still_need_an_accelerator():
+    from speculators.train import checkpointer, trainer
+
+    timer = inspect.getsource(trainer._StepTimer)
+    assert timer.count("torch.accelerator.synchronize()") == 2
+    assert {"mark", "now", "profile", "reset", "mark_value"} <= set(vars(trainer._StepTimer))
+    assert inspect.getsource(checkpointer).count("device = get_current_device()") == 2
+
+
+def test_cpu_patch_replaces_each_name_once(restore_speculators):
+    from speculators.train import checkpointer, cli, trainer
+
+    stock_trainer = cli.Trainer
+    compat.patch_speculators_for_device("cpu")
+    patched = (cli.maybe_setup_distributed, cli.Trainer, trainer._StepTimer)
+    assert issubclass(cli.Trainer, stock_trainer) and cli.Trainer is not stock_trainer
+    assert checkpointer.get_current_device() == "cpu"
+    compat.patch_speculators_for_device("cpu")  # idempotent
+    assert (cli.maybe_setup_distributed, cli.Trainer, trainer._StepTimer) == patched
+    with pytest.raises(RuntimeError, match="already patched for 'cpu'"):
+        compat.patch_speculators_for_device("cuda")
+
+
+def test_cuda_patches_nothing(restore_speculators):
+    from speculators.train import cli, trainer
+
+    before = (cli.maybe_setup_distributed, cli.Trainer, trainer._StepTimer)
+    compat.patch_speculators_for_device("cuda")
+    assert (cli.maybe_setup_distributed, cli.Trainer, trainer._StepTimer) == before
+
+
+def test_unknown_device_type_is_refused():
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        compat.patch_speculators_for_device("tpu")
+
+
+def test_host_step_timer_profiles_without_an_accelerator(restore_speculators):
+    from speculators.train import trainer
+
+    compat.patch_speculators_for_device("cpu")
+    timer = trainer._StepTimer(enabled=True)
+    timer.mark_value("start", timer.now() - 0.01)
+    for name in ("queue", "pre_h2d", "fetch", "fwd", "pre_clip", "bwd", "opt"):
+        timer.mark(name)
+    profile = timer.profile(num_tokens=100)
+    assert profile["step_ms"] >= 10 and profile["tokens_per_s"] > 0
+    assert "memory_mb" not in profile
+
+
+def test_host_distributed_setup_initialises_gloo(restore_speculators, monkeypatch):
+    import torch.distributed as dist
+    from speculators.train import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    compat._maybe_setup_distributed_on_host()
+    try:
+        assert dist.get_backend() == "gloo"
+        assert distributed.is_distributed() and distributed.get_world_size() == 1
+        assert distributed.get_dp_size() == 1 and distributed.get_dp_group() is not None
+    finally:
+        distributed.maybe_destroy_distributed()
+    assert not dist.is_initialized()
+
+
+def test_cpu_run_needs_sdpa_attention_and_eager_loss():
+    from speculators.train.config import TrainConfig
+
+    base = ["--verifier-name-or-path", "v"]
+    ok = TrainConfig.resolve([*base, "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"])
+    compat.check_config_for_device(ok, "cpu")
+    with pytest.raises(ValueError, match="--draft-attn-impl sdpa"):
+        compat.check_config_for_device(TrainConfig.resolve([*base, "--loss-implementation", "eager"]), "cpu")
+    fused = TrainConfig.resolve([*base, "--draft-attn-impl", "sdpa"])
+    with pytest.raises(ValueError, match="--loss-implementation eager"):
+        compat.check_config_for_device(fused, "cpu")
+    compat.check_config_for_device(fused, "cuda")

@@ -1,0 +1,110 @@
+"""params.yaml loading: every bad input is one line naming the dotted key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.params import ParamsError, flatten, load_params, parse_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, raw):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_repo_params_load_and_match_defaults():
+    params = load_params(REPO / "params.yaml")
+    assert params == parse_params({}), "params.yaml should spell out the defaults of the tiny profile"
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ParamsError, match=r"unknown key 'extract.layer_id'; did you mean 'extract.layer_ids'"):
+        parse_params({"extract": {"layer_id": [1, 2, 3]}})
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(ParamsError, match="unknown key 'trian'"):
+        parse_params({"trian": {}})
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ParamsError, match=r"prepare.num_samples: .*integer.*'many'"):
+        parse_params({"prepare": {"num_samples": "many"}})
+
+
+@pytest.mark.parametrize("key", ["num_samples", "max_seq_len", "batch_size"])
+def test_non_positive_counts_are_refused(key):
+    with pytest.raises(ParamsError, match=rf"prepare.{key}: .*greater than 0"):
+        parse_params({"prepare": {key: 0}})
+
+
+def test_too_few_layers_for_default_aux_ids():
+    with pytest.raises(ParamsError, match=r"target.tiny.num_layers"):
+        parse_params({"target": {"tiny": {"num_layers": 6}}})
+
+
+def test_four_aux_layers_are_refused():
+    with pytest.raises(ParamsError, match=r"extract.layer_ids: .*exactly 3"):
+        parse_params({"extract": {"layer_ids": [1, 2, 3, 4]}})
+
+
+def test_missing_local_target_path(tmp_path):
+    path = write(tmp_path, {"target": {"source": "local", "path": "no/such/model"}})
+    with pytest.raises(ParamsError, match=r"target.path: 'no/such/model' does not exist"):
+        load_params(path)
+
+
+def test_real_target_needs_a_path():
+    with pytest.raises(ParamsError, match=r"target: .*needs target.path"):
+        parse_params({"target": {"source": "hub"}})
+
+
+def test_hub_target_is_not_checked_on_disk(tmp_path):
+    path = write(tmp_path, {"target": {"source": "hub", "path": "moonshotai/Kimi-K2.5"}})
+    assert load_params(path).target.path == "moonshotai/Kimi-K2.5"
+
+
+def test_invalid_yaml_gives_file_and_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("prepare:\n  num_samples: [1,\n")
+    with pytest.raises(ParamsError, match=r"params.yaml:\d+: not valid YAML"):
+        load_params(path)
+
+
+def test_flatten_gives_dotted_keys():
+    flat = flatten(parse_params({}))
+    assert flat["extract.dtype"] == "bfloat16"
+    assert flat["target.tiny.num_layers"] == 8
+
+
+def test_cli_bad_params_exit_2_one_line_and_outputs_kept(tmp_path):
+    """The CLI answers a params error with exit code 2 and one line, and deletes nothing."""
+    path = write(tmp_path, {"prepare": {"num_sample": 3}})
+    out = tmp_path / "prepared"
+    out.mkdir()
+    (out / "precious").write_text("hours of work")
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftlab.cli", "prepare", "--params", str(path), "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "prepare.num_sample" in lines[0] and "prepare.num_samples" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert (out / "precious").read_text() == "hours of work"
+
+
+def test_dvc_stages_list_exactly_the_params_they_read():
+    """Each dvc.yaml stage depends on its own section and the shared keys it reads, nothing else."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert stages["target"]["params"] == ["target"]
+    assert "prepare" in stages["prepare"]["params"] and "extract" not in stages["prepare"]["params"]
+    assert "extract" in stages["extract"]["params"] and "prepare" not in stages["extract"]["params"]
+    assert "target.tiny" not in stages["extract"]["params"]  # the built model is a dep instead
