@@ -28,6 +28,7 @@ instead (run `draftlab target` first). Nothing here passes or fails on timing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 # The Kimi-K2.5 reference scenario: 4 layers x 7168 x bf16 (+ int64 id) per token, ~32 B active
 # parameters per token (about 2 x 32e9 FLOP/token), for the write-intensity comparison.
@@ -92,8 +94,27 @@ def build_target(args, work: Path):
     }}
     params = parse_params(raw)
     target_dir = work / "target"
-    target.run(params, out_dir=target_dir, report_path=work / "target.json")
+    with quiet_console():
+        target.run(params, out_dir=target_dir, report_path=work / "target.json")
     return params, target_dir
+
+
+@contextlib.contextmanager
+def quiet_console():
+    """Silence draftlab's console and the libraries' progress bars around a stage call."""
+    import datasets
+    import transformers
+
+    from draftlab.console import console
+
+    before = console.quiet
+    console.quiet = True
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        console.quiet = before
 
 
 def synthetic_dataset(path: Path, args, vocab_size: int) -> list[int]:
@@ -129,16 +150,12 @@ def padded_batches(data_dir: Path, batches: list[list[int]]):
 
 
 def run_extraction(params, target_dir: Path, data_dir: Path, store_dir: Path) -> dict:
-    from draftlab.console import console
     from draftlab.stages import extract
 
-    quiet, console.quiet = console.quiet, True
-    try:
+    with quiet_console():
         t0 = time.perf_counter()
         res = extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=store_dir)
         wall_s = time.perf_counter() - t0
-    finally:
-        console.quiet = quiet
     return {"tokens_per_s": res.tokens_per_s, "tokens": res.num_tokens, "bytes": res.total_bytes,
             "files": res.num_files, "call_wall_s": wall_s}
 
@@ -195,11 +212,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="draftlab-extract-bench-", dir=args.workdir))
     try:
         params, target_dir = build_target(args, work)
-        model, tokenizer = load_target(params, target_dir)
+        with quiet_console():
+            model, tokenizer = load_target(params, target_dir)
+            data_dir = work / "prepared"
+            lens = synthetic_dataset(data_dir, args, len(tokenizer))
         cfg = model.config
         hidden, num_layers = cfg.hidden_size, cfg.num_hidden_layers
-        data_dir = work / "prepared"
-        lens = synthetic_dataset(data_dir, args, len(tokenizer))
         batches = plan_batches(lens, params.extract.batch_tokens)
         tensors = padded_batches(data_dir, batches)
         non_embed = sum(p.numel() for n, p in model.model.named_parameters() if "embed" not in n)

@@ -109,6 +109,42 @@ def verify(
     console.print(f"[green]ok[/]: {store} matches its manifest")
 
 
+@app.command()
+def use(
+    experiment: Annotated[Path, typer.Argument(help="A profile from experiments/ (a partial params tree).")],
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Merge an experiment profile into params.yaml, so DVC sees (and records) what runs."""
+    import yaml
+
+    from draftlab.console import console
+    from draftlab.params import ParamsError, merge, parse_params
+    from draftlab.util import write_bytes_atomic
+
+    if not experiment.is_file():
+        _fail(f"{experiment}: no such experiment file (see experiments/)")
+    try:
+        base = yaml.safe_load(params.read_text()) or {}
+        overlay = yaml.safe_load(experiment.read_text()) or {}
+        merged = merge(base, overlay)
+        parse_params(merged, str(experiment))
+    except (ParamsError, yaml.YAMLError, OSError) as err:
+        _fail(str(err))
+    header = f"# params.yaml: {experiment} merged in by `draftlab use`; run `dvc repro` (or `dvc exp run`).\n"
+    write_bytes_atomic(params, (header + yaml.safe_dump(merged, sort_keys=False)).encode())
+    console.print(f"[bold]use[/]: {experiment} → {params}; `git diff {params}` shows what changed")
+
+
+@app.command()
+def summary(
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """What the pipeline produced and where to look."""
+    from draftlab.summary import show
+
+    show(_load(params))
+
+
 @app.command("params")
 def params_reference() -> None:
     """Print the params reference (every key, its default and meaning)."""

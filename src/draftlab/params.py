@@ -259,3 +259,14 @@ def reference(model: type[BaseModel], prefix: str = "") -> str:
             default = field.get_default(call_default_factory=True)
             lines.append(f"  {dotted} = {default!r}  —  {field.description or ''}")
     return "\n".join(lines)
+
+
+def merge(base: dict, overlay: dict) -> dict:
+    """Deep-merge `overlay` into a copy of `base` (sections merge, values replace)."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -177,6 +177,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         out_dir.mkdir(parents=True)
         journal = store.Journal.open(out_dir, key)
 
+    for torn in out_dir.glob(".hs_*.tmp-*"):  # a kill mid-write leaves these; never counted as done
+        torn.unlink()
     batches = plan_batches(seq_lens, params.extract.batch_tokens)
     todo = [b for b in batches if not all(i in journal.done for i in b)]
     remaining_tokens = sum(seq_lens[i] for b in todo for i in b)

@@ -1,0 +1,60 @@
+"""`draftlab summary`: what `dvc repro` produced and where to look, read from the outputs
+themselves (reports, manifests), so it never claims a stage ran when it did not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftlab.params import Params
+
+OUTPUTS = [
+    ("target", Path("reports/target.json")),
+    ("prepare", Path("data/prepared/prepare.json")),
+    ("extract", Path("data/hidden_states/manifest.json")),
+    ("train", Path("runs/train/train.json")),
+    ("evaluate", Path("reports/metrics.json")),
+    ("export", Path("models/draft/export.json")),
+]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _line(stage: str, info: dict) -> str:
+    if stage == "target":
+        return f"{info.get('source')} target, distinct-token ratio {info.get('distinct_token_ratio_trained', '—')}"
+    if stage == "prepare":
+        return f"{info['num_samples']} samples ({info['num_train']} train / {info['num_val']} val), {info['num_tokens']:,} tokens"
+    if stage == "extract":
+        return f"{info['num_files']} files, {info['num_tokens']:,} tokens, {info['total_bytes'] / 2**20:.1f} MiB, layers {info['layer_ids']}"
+    if stage == "train":
+        return f"{info.get('total_steps')} steps on {info.get('world_size')} rank(s), MLflow run {info.get('run_id')}"
+    if stage == "evaluate":
+        keys = [k for k in ("eval/simulated_acc_len", "eval/measured_acc_len") if k in info]
+        return ", ".join(f"{k} = {info[k]:.3f}" for k in keys) or "metrics written"
+    return ", ".join(f"{k}: {v}" for k, v in info.items() if isinstance(v, (str, int, float)))
+
+
+def show(params: Params) -> None:
+    from rich.table import Table
+
+    from draftlab.console import console
+
+    table = Table(title="draftlab: what was produced", show_lines=False)
+    table.add_column("stage")
+    table.add_column("output")
+    table.add_column("figures")
+    for stage, path in OUTPUTS:
+        info = _read(path)
+        if info is not None:
+            table.add_row(stage, str(path.parent), _line(stage, info))
+    console.print(table)
+    console.print("Look next:")
+    console.print("  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open http://127.0.0.1:5000)")
+    console.print("  DVC metrics: dvc metrics show    plots: dvc plots show   figures: reports/")
+    console.print("  Store check: draftlab verify data/hidden_states")
