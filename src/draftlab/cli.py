@@ -93,6 +93,27 @@ def extract(
 
 
 @app.command()
+def train(
+    params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    out: Annotated[Path, typer.Option(help="Run folder (checkpoints, accounting, run id).")] = Path("runs/train"),
+) -> None:
+    """Train the draft with speculators' trainer under torchrun; accounting checked, MLflow-tracked."""
+    p = _load(params)
+    from draftlab.stages import train as stage
+
+    try:
+        _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out))
+    except stage.TrainingFailed as err:
+        from draftlab.console import console
+
+        console.print(f"[red]error[/]: {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
     quick: Annotated[bool, typer.Option(help="Check sizes only, skip re-hashing.")] = False,

@@ -186,11 +186,16 @@ def run_trainer(
             logging.getLogger("speculators.metrics").addHandler(handler)
 
     cli.setup_metric_logger = setup_metric_logger
-    started_s = time.time()
+    interrupted = Path(cfg.trainer.save_path) / "interrupted" / "model.safetensors"
+    before = _mtime_ns(interrupted)
     try:
         cli.main(cfg)
     finally:
         cli.setup_metric_logger = stock_setup_metric_logger
-    interrupted = Path(cfg.trainer.save_path) / "interrupted" / "model.safetensors"
-    if interrupted.exists() and interrupted.stat().st_mtime >= started_s:
+    if _mtime_ns(interrupted) not in (None, before):
         raise SystemExit(f"training interrupted by a signal; state saved in {interrupted.parent}")
+
+
+def _mtime_ns(path: Path) -> int | None:
+    # Compared with itself, not with time.time(): file times come from a coarser clock.
+    return path.stat().st_mtime_ns if path.exists() else None

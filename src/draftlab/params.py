@@ -159,6 +159,63 @@ class Extract(Section):
         return ids
 
 
+class Train(Section):
+    """Draft training with speculators' trainer under torchrun (see README: step accounting)."""
+
+    gpus: PositiveInt = Field(
+        1, description="Training processes per node (GPUs on a GPU host; gloo ranks on CPU)."
+    )
+    nnodes: PositiveInt = Field(1, description="Nodes (multi-node: every node runs `draftlab train`).")
+    node_rank: int = Field(0, ge=0, description="This node's rank (multi-node).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the rendezvous (multi-node); null = standalone on this host."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda if available, else cpu.")
+    sharding: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="`ddp`: replicated parameters; `fsdp`: FSDP2 parameter sharding (speculators --fsdp-shard)."
+    )
+    epochs: PositiveInt = Field(3, description="Training epochs.")
+    lr: PositiveFloat = Field(
+        3e-3, description="Base learning rate at `lr_base_gpus` data-parallel ranks (before scaling)."
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="How lr follows the data-parallel world size W: none; linear (lr × W / base); "
+        "sqrt (lr × sqrt(W / base)). The resolved lr is printed and logged.",
+    )
+    lr_base_gpus: PositiveInt = Field(1, description="World size at which `lr` was tuned.")
+    total_seq_len: PositiveInt = Field(
+        1024,
+        description="Packing length: each rank's step is ONE row of up to this many tokens "
+        "(speculators' batch_size = 1), so a global step holds world_size × total_seq_len tokens.",
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader workers per rank (0 = load in the rank).")
+    prefetch_factor: PositiveInt = Field(4, description="Batches prefetched per worker.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators optimizer.")
+    scheduler: Literal["linear", "cosine", "none"] = Field("cosine", description="LR schedule.")
+    warmup_steps: int = Field(0, ge=0, description="LR warm-up steps.")
+    ttt_steps: PositiveInt = Field(3, description="Test-time-training unroll steps (= num_speculative_tokens).")
+    draft_vocab_size: PositiveInt = Field(256, description="Draft vocabulary (most frequent target tokens).")
+    draft_layers: PositiveInt = Field(1, description="Decoder layers of the draft.")
+    seed: int = Field(0, description="Seed of the draft init and the packing sampler's shuffle.")
+    checkpoint_freq: PositiveFloat = Field(
+        1.0, description="Checkpoint every N epochs (< 1: sub-epoch checkpoints, e.g. 0.5)."
+    )
+    hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype the trainer loads hidden states in (the store's dtype)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More `speculators train` flags, passed through verbatim."
+    )
+
+    def world_size(self) -> int:
+        return self.gpus * self.nnodes
+
+    def resolved_lr(self) -> float:
+        ratio = self.world_size() / self.lr_base_gpus
+        return {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[self.lr_scaling] * self.lr
+
+
 class Params(Section):
     """The whole params.yaml."""
 
@@ -166,6 +223,7 @@ class Params(Section):
     data: Data = Field(default_factory=Data, description="Split shared by all stages.")
     prepare: Prepare = Field(default_factory=Prepare, description="The prepare stage.")
     extract: Extract = Field(default_factory=Extract, description="The extract stage.")
+    train: Train = Field(default_factory=Train, description="The train stage.")
 
     def check_paths(self, root: Path) -> None:
         """Checks that need the filesystem (kept out of field validation so that tests and

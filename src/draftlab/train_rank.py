@@ -1,13 +1,136 @@
-"""One training rank: speculators' trainer, patched for this machine's device.
+"""One training rank: speculators' trainer (patched for this machine's device by
+`draftlab.compat`) plus draftlab's observers, configured by the launcher through env vars.
 
     torchrun --nproc-per-node N -m draftlab.train_rank <speculators train flags>
 
-Takes exactly the flags of ``speculators train`` (see draftlab.compat).
+Observers (rank-local, no effect on what the trainer computes):
+- every rank appends the sample ids its train sampler hands out per epoch to
+  `$DRAFTLAB_RUN_DIR/samples/rank<r>.jsonl` — the launcher checks them disjoint and complete;
+- global rank 0 logs speculators' metric records into the launcher's MLflow run
+  (`MLFLOW_RUN_ID`) with perf/* figures derived from the step accounting, skips steps already
+  logged before a resume, and stops the run on a NaN/inf loss.
 """
 
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
 import sys
+import time
+from pathlib import Path
 
 from draftlab.compat import run_trainer
 
+
+def _record_sampler_batches(run_dir: Path, rank: int) -> None:
+    """Wrap the packing sampler's __iter__ to record what each rank is given, per epoch."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
+
+    out = run_dir / "samples" / f"rank{rank}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stock_init, stock_iter = Sampler.__init__, Sampler.__iter__
+    created = []
+
+    def __init__(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        self._draftlab_split = "train" if not created else "val"  # the train loader is built first
+        created.append(self)
+
+    def __iter__(self):
+        batches = self._generate_batches(self.epoch)
+        if self._draftlab_split == "train":
+            ids = [int(i) for b in batches for i in b]
+            with open(out, "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "rank": self.rank, "steps": len(batches), "ids": ids}) + "\n")
+        return stock_iter(self)
+
+    Sampler.__init__, Sampler.__iter__ = __init__, __iter__
+
+
+class MetricsToTracker(logging.Handler):
+    """speculators.metrics records → MLflow names, perf/* from the accounting plan."""
+
+    def __init__(self, tracker, plan: dict, optimizer: str, run_dir: Path):
+        super().__init__()
+        self.tracker = tracker
+        self.optimizer = optimizer
+        self.run_dir = run_dir
+        self.total_steps = plan["total_steps"]
+        self.step_tokens = plan["step_tokens"]  # real (unpadded) tokens of every global step
+        self.last_logged = plan.get("last_logged_step", -1)
+        self.rate_steps_per_s: float | None = None
+
+    def emit(self, record):  # exceptions propagate on purpose: a NaN must stop training
+        from speculators.train.logger import _flatten_dict
+
+        if getattr(record, "hparams", False):
+            return
+        step = getattr(record, "step", None)
+        flat = _flatten_dict(record.msg)
+        if "train/loss" in flat:
+            self._train(step, flat)
+        elif any(k.startswith("val/") for k in flat):
+            self.tracker.log_metrics({k: v for k, v in flat.items() if k.startswith("val/")}, step=step)
+
+    def _train(self, step: int, flat: dict) -> None:
+        loss = flat["train/loss"]
+        if not math.isfinite(loss):
+            msg = f"train/loss is {loss} at global step {step} (epoch {flat.get('epoch')}): training stopped"
+            (self.run_dir / "failure.json").write_text(json.dumps({"reason": "non-finite loss", "message": msg}))
+            raise FloatingPointError(msg)
+        if step <= self.last_logged:  # redone after a resume: already in the run
+            return
+        out = {k: v for k, v in flat.items() if k.startswith("train/")}
+        out["epoch"] = flat.get("epoch", 0)
+        for k, v in flat.items():
+            if k == "lr":
+                out[f"lr/{self.optimizer}"] = v
+            elif k.startswith("lr/"):
+                out[k] = v
+        step_ms = flat.get("profile/step_ms")
+        if step_ms:
+            steps_per_s = 1000.0 / step_ms
+            # an EMA keeps the ETA steady across noisy steps
+            self.rate_steps_per_s = steps_per_s if self.rate_steps_per_s is None else (
+                0.9 * self.rate_steps_per_s + 0.1 * steps_per_s)
+            tokens = self.step_tokens[step] if step < len(self.step_tokens) else 0
+            out.update({
+                "perf/steps_per_s": steps_per_s,
+                "perf/tokens_per_s": tokens * steps_per_s,
+                "perf/data_wait_frac": flat.get("profile/fetch_frac", 0.0),
+                "perf/eta_s": (self.total_steps - step - 1) / self.rate_steps_per_s,
+            })
+            for k in ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms"):
+                if f"profile/{k}" in flat:
+                    out[f"perf/{k}"] = flat[f"profile/{k}"]
+        self.tracker.log_metrics(out, step=step)
+        self.last_logged = step
+
+
+def main(argv: list[str]) -> None:
+    run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
+    rank = int(os.environ.get("RANK", "0"))
+    handlers = []
+    if run_dir is not None:
+        _record_sampler_batches(run_dir, rank)
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if rank == 0 and run_id:
+            from draftlab.tracking import MlflowTracker
+
+            plan = json.loads((run_dir / "plan.json").read_text())
+            tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
+            handlers.append(MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"), run_dir))
+    started = time.time()
+    try:
+        run_trainer(argv, metric_handlers=handlers)
+    except FloatingPointError as err:
+        print(f"draftlab: {err}", file=sys.stderr)
+        sys.exit(3)
+    if run_dir is not None and rank == 0:
+        (run_dir / "rank0-done.json").write_text(json.dumps({"wall_clock_s": time.time() - started}))
+
+
 if __name__ == "__main__":
-    run_trainer(sys.argv[1:])
+    main(sys.argv[1:])

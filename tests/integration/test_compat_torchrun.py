@@ -129,9 +129,11 @@ def expected_steps_per_epoch(ws: Workspace, world_size: int) -> list[int]:
 
 
 def run(cmd: list[str], cwd: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_SRC), os.environ.get("PYTHONPATH", "")])}
+    python_path = os.pathsep.join([str(REPO_SRC), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{cmd[:6]}… exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{cmd[:6]}… exited {proc.returncode}\n{output}"
 
 
 def assert_trained(save_path: Path, expected_steps: list[int]) -> None:
@@ -176,14 +178,16 @@ ONE_RANK_DRIVER = textwrap.dedent(
 def test_one_rank_trains_with_extra_metric_handler(workspace, tmp_path):
     metrics_path = tmp_path / "metrics.jsonl"
     save_path = tmp_path / "checkpoints"
-    run([sys.executable, "-c", ONE_RANK_DRIVER, str(metrics_path), *train_argv(workspace, save_path)], tmp_path)
+    argv = train_argv(workspace, save_path)
+    run([sys.executable, "-c", ONE_RANK_DRIVER, str(metrics_path), *argv], tmp_path)
 
     expected = expected_steps_per_epoch(workspace, world_size=1)
     assert_trained(save_path, expected)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(sum(expected)))
-    assert {"profile/step_ms", "profile/tokens_per_s", "lr", "epoch", "train/full_acc_0"} <= train[0].keys()
+    expected_keys = {"profile/step_ms", "profile/tokens_per_s", "lr", "epoch", "train/full_acc_0"}
+    assert expected_keys <= train[0].keys()
     losses = [r["train/loss"] for r in train]
     assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
     assert [r["epoch"] for r in records if "val/loss_epoch" in r] == list(range(EPOCHS))
@@ -194,7 +198,8 @@ def test_two_gloo_ranks_train_under_torchrun(workspace, tmp_path, sharding):
     save_path = tmp_path / "checkpoints"
     argv = train_argv(workspace, save_path) + (["--fsdp-shard"] if sharding == "fsdp" else [])
     # --standalone picks a free rendezvous port, so concurrent runs do not collide on 29500.
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2"]
     run([*torchrun, "-m", "draftlab.train_rank", *argv], tmp_path)
 
     expected_two = expected_steps_per_epoch(workspace, world_size=2)

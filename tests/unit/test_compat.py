@@ -158,9 +158,45 @@ def test_cpu_run_needs_sdpa_attention_and_eager_loss():
     base = ["--verifier-name-or-path", "v"]
     ok = TrainConfig.resolve([*base, "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"])
     compat.check_config_for_device(ok, "cpu")
+    flex = TrainConfig.resolve([*base, "--loss-implementation", "eager"])
     with pytest.raises(ValueError, match="--draft-attn-impl sdpa"):
-        compat.check_config_for_device(TrainConfig.resolve([*base, "--loss-implementation", "eager"]), "cpu")
+        compat.check_config_for_device(flex, "cpu")
     fused = TrainConfig.resolve([*base, "--draft-attn-impl", "sdpa"])
     with pytest.raises(ValueError, match="--loss-implementation eager"):
         compat.check_config_for_device(fused, "cpu")
     compat.check_config_for_device(fused, "cuda")
+
+
+def test_run_trainer_feeds_extra_handlers_and_fails_when_interrupted(
+    restore_speculators, monkeypatch, tmp_path
+):
+    """cli.main stubbed: it configures the metric logger, logs, and saves as on SIGTERM."""
+    import logging
+
+    from speculators.train import cli
+
+    def fake_main(cfg):
+        cli.setup_metric_logger(loggers="", run_name=None, output_dir=str(tmp_path / "logs"))
+        logging.getLogger("speculators.metrics").info({"train": {"loss": 2.5}}, extra={"step": 3})
+        interrupted = tmp_path / "ckpt" / "interrupted"
+        interrupted.mkdir(parents=True)
+        (interrupted / "model.safetensors").write_bytes(b"")
+
+    received = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            received.append((record.step, record.msg))
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    stock_setup = cli.setup_metric_logger
+    argv = ["--verifier-name-or-path", "v", "--save-path", str(tmp_path / "ckpt"),
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]  # fmt: skip
+    recorder = Recorder()
+    try:
+        with pytest.raises(SystemExit, match="interrupted by a signal"):
+            compat.run_trainer(argv, device_type="cpu", metric_handlers=[recorder])
+    finally:
+        logging.getLogger("speculators.metrics").removeHandler(recorder)
+    assert received == [(3, {"train": {"loss": 2.5}})]
+    assert cli.setup_metric_logger is stock_setup

@@ -1,0 +1,406 @@
+"""The `train` stage: speculators' EAGLE-3 trainer under torchrun, accounted and tracked.
+
+Before step one it computes, with the trainer's own packing sampler, the exact global steps of
+every epoch, the drops and each rank's sample set; prints them; logs them to one MLflow run
+(started here, its id handed to the ranks as MLFLOW_RUN_ID); and hands speculators the exact
+total for its LR schedule. At the end it checks that the ranks did exactly that.
+
+Nothing is lost: the run folder survives DVC (persist), a rerun resumes speculators' last
+checkpoint in the same MLflow run, orphaned ranks of a killed launcher are stopped, and one
+lock keeps two trainings out of one folder.
+
+    draftlab train --params params.yaml --out runs/train
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab import accounting as acc
+from draftlab import store
+from draftlab.params import Params, ParamsError, flatten
+from draftlab.util import write_json_atomic
+
+EXPERIMENT = "draftlab"
+TERM_GRACE_S = 10
+
+
+class TrainingFailed(RuntimeError):
+    """Training ran but did not finish correctly; the message says what differed."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_id: str
+    out_dir: Path
+    checkpoint: Path
+    total_steps: int
+    wall_clock_s: float
+
+
+def resolve_device(params: Params) -> str:
+    if params.train.device != "auto":
+        return params.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
+    """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
+    from draftlab.stages.extract import dataset_fingerprint
+
+    fields = {"train": params.train.model_dump(), "data": params.data.model_dump(),
+              "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
+    return store.store_key(fields)
+
+
+def train_split(data_dir: Path, train_ratio: float) -> tuple[list[int], int]:
+    """Lengths of the train split (speculators' row-order split) and its loss-masked tokens."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(data_dir)).with_format(None)
+    n_train = int(len(ds) * train_ratio)
+    lengths = list(ds["seq_len"][:n_train])
+    loss_tokens = sum(sum(m) for m in ds.select(range(n_train))["loss_mask"])
+    return lengths, loss_tokens
+
+
+def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
+    """Exact accounting and the real tokens of every global step."""
+    lengths, loss_tokens = train_split(data_dir, params.data.train_ratio)
+    t = params.train
+    a = acc.plan_epochs(lengths, loss_tokens=loss_tokens, total_seq_len=t.total_seq_len,
+                        world_size=t.world_size(), epochs=t.epochs, seed=t.seed)
+    clipped = [min(n, t.total_seq_len) for n in lengths]
+    step_tokens: list[int] = []
+    for epoch in range(t.epochs):
+        per_rank = [acc.rank_batches(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
+                                     rank=r, seed=t.seed, epoch=epoch) for r in range(t.world_size())]
+        for s in range(len(per_rank[0])):
+            step_tokens.append(sum(clipped[i] for r in per_rank for i in r[s]))
+    return a, step_tokens
+
+
+def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = None):
+    from rich.table import Table
+
+    t = Table(title="step accounting (global optimizer steps)", show_header=False)
+    t.add_row("world size (data-parallel ranks)", f"{a.world_size} = {params.train.gpus} per node × {params.train.nnodes} node(s)")
+    t.add_row("train samples / tokens", f"{a.train_samples:,} / {a.train_tokens:,} ({a.train_loss_tokens:,} loss-masked)")
+    t.add_row("packing", f"batch_size 1 per rank = one row of ≤ {a.total_seq_len:,} tokens")
+    t.add_row("tokens per step (capacity)", f"{a.tokens_per_step:,} = {a.world_size} × {a.total_seq_len:,}")
+    t.add_row("steps per epoch", ", ".join(str(e.steps) for e in a.epochs))
+    t.add_row("total steps", f"{a.total_steps:,}")
+    t.add_row("dropped samples per epoch", ", ".join(str(d) for d in a.dropped_samples))
+    t.add_row("lr", f"{params.train.resolved_lr():.3g} (base {params.train.lr:g} at {params.train.lr_base_gpus} rank(s), rule {params.train.lr_scaling})")
+    if eta_s is not None:
+        t.add_row("ETA", f"{eta_s / 3600:.2f} h")
+    return t
+
+
+def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """d2t/t2d written into the run folder (speculators would cache them in the dataset folder,
+    which is another stage's output)."""
+    import numpy as np
+    import torch
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoConfig
+
+    from draftlab.stages.target import resolve
+
+    vocab = AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size
+    freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
+    size = min(params.train.draft_vocab_size, vocab)
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
+    d2t_path, t2d_path = out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
+    np.save(d2t_path, d2t.cpu().numpy())
+    np.save(t2d_path, t2d.cpu().numpy())
+    return d2t_path, t2d_path
+
+
+def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir: Path, out_dir: Path,
+                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str) -> list[str]:
+    t = params.train
+    argv = [
+        "--verifier-name-or-path", verifier,
+        "--data-path", str(data_dir),
+        "--hidden-states-path", str(store_dir),
+        "--save-path", str(out_dir / "checkpoints"),
+        "--log-dir", str(out_dir / "logs"),
+        "--epochs", str(t.epochs),
+        "--lr", repr(t.resolved_lr()),
+        "--optimizer", t.optimizer,
+        "--scheduler-type", t.scheduler,
+        "--scheduler-warmup-steps", str(t.warmup_steps),
+        "--scheduler-total-steps", str(total_steps),
+        "--total-seq-len", str(t.total_seq_len),
+        "--num-workers", str(t.num_workers),
+        "--prefetch-factor", str(t.prefetch_factor),
+        "--ttt-steps", str(t.ttt_steps),
+        "--draft-vocab-size", str(t.draft_vocab_size),
+        "--num-layers", str(t.draft_layers),
+        "--seed", str(t.seed),
+        "--checkpoint-freq", repr(t.checkpoint_freq),
+        "--train-data-ratio", repr(params.data.train_ratio),
+        "--hidden-states-dtype", t.hidden_states_dtype,
+        "--target-layer-ids", *map(str, layer_ids),
+        "--d2t-path", str(d2t),
+        "--t2d-path", str(t2d),
+        "--on-missing", "raise",
+    ]  # fmt: skip
+    if device == "cpu":
+        argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    if t.sharding == "fsdp":
+        argv.append("--fsdp-shard")
+    return argv + list(t.extra_args)
+
+
+def check_layer_ids(params: Params, manifest: dict) -> list[int]:
+    """The aux layers come from the store; a draft config that disagrees is refused."""
+    layer_ids = manifest["layer_ids"]
+    extra = params.train.extra_args
+    if "--target-layer-ids" in extra:
+        i = extra.index("--target-layer-ids") + 1
+        asked = [int(x) for x in extra[i : i + 3] if x.lstrip("-").isdigit()]
+        if asked != layer_ids:
+            raise ParamsError(
+                f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
+                "(data/hidden_states/manifest.json); drop it — the ids come from the extract stage"
+            )
+    return layer_ids
+
+
+def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
+    t = params.train
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
+    if t.rdzv_endpoint:
+        cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint]
+    else:
+        cmd.append("--standalone")
+    return cmd + ["-m", "draftlab.train_rank", *argv]
+
+
+@contextmanager
+def exclusive(out_dir: Path):
+    """One training per run folder: a second launcher is refused, not interleaved."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / ".lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ParamsError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop_orphans(out_dir: Path, console) -> None:
+    """Ranks of a launcher that was killed keep running (their own process group): stop them."""
+    launch = out_dir / "launch.json"
+    if not launch.exists():
+        return
+    pgid = json.loads(launch.read_text()).get("pgid")
+    if pgid and _alive(pgid):
+        console.print(f"[yellow]train[/]: stopping orphaned ranks of a killed run (process group {pgid})")
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while _alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+    launch.unlink()
+
+
+def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
+    """Last record per (epoch, rank) of what the ranks' samplers handed out."""
+    seen: dict[int, dict[int, list[int]]] = {}
+    for path in sorted((out_dir / "samples").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            seen.setdefault(rec["epoch"], {})[rec["rank"]] = rec["ids"]
+    return seen
+
+
+def last_global_step(checkpoints: Path) -> int | None:
+    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
+    return max((s["global_step"] for s in states), default=None)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {f"version.{p}": md.version(p) for p in ("torch", "speculators", "transformers", "mlflow", "draftlab")}
+
+
+def _device_tags(device: str) -> dict[str, str]:
+    import platform
+
+    tags = {"host": platform.node(), "device.type": device}
+    if device == "cuda":
+        import torch
+
+        tags["device.model"] = torch.cuda.get_device_name(0)
+        tags["device.count"] = str(torch.cuda.device_count())
+    else:
+        tags["device.model"] = platform.processor() or platform.machine()
+        tags["device.count"] = str(os.cpu_count())
+    return tags
+
+
+def _open_run(out_dir: Path, key: str, console) -> tuple[str, bool]:
+    """The MLflow run for this folder: the same one again after a kill, else a new one."""
+    import mlflow
+
+    from draftlab.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    state = out_dir / "run.json"
+    if state.exists():
+        prev = json.loads(state.read_text())
+        if prev.get("key") == key and prev.get("run_id"):
+            try:
+                mlflow.MlflowClient().get_run(prev["run_id"])
+                return prev["run_id"], True
+            except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
+                console.print(f"[yellow]train[/]: MLflow run {prev['run_id']} not found; starting a new one")
+    mlflow.set_experiment(EXPERIMENT)
+    run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name(EXPERIMENT).experiment_id,
+                                            run_name=f"train-{time.strftime('%Y%m%d-%H%M%S')}")
+    write_json_atomic(state, {"key": key, "run_id": run.info.run_id})
+    return run.info.run_id, False
+
+
+def _last_logged_step(run_id: str) -> int:
+    import mlflow
+
+    try:
+        history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
+    except Exception:  # noqa: BLE001
+        return -1
+    return max((m.step for m in history), default=-1)
+
+
+def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
+    state = out_dir / "run.json"
+    if state.exists() and json.loads(state.read_text()).get("key") != key:
+        old = json.loads(state.read_text()).get("key", "unknown")[:12]
+        aside = out_dir.parent / f".stale-{out_dir.name}-{old}"
+        console.print(f"[yellow]train[/]: params or data changed; the previous run folder moves to {aside}")
+        shutil.rmtree(aside, ignore_errors=True)
+        out_dir.rename(aside)
+
+
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path) -> TrainResult:
+    import mlflow
+
+    from draftlab.console import console
+    from draftlab.stages.target import resolve
+    from draftlab.tracking import MlflowTracker, git_tags
+
+    manifest = store.read_manifest(store_dir)
+    layer_ids = check_layer_ids(params, manifest)
+    quick = store.verify(store_dir, full=False)
+    if quick:
+        raise ParamsError(f"{store_dir}: {quick[0]} ({len(quick)} problem(s)); rerun `draftlab extract`")
+    device = resolve_device(params)
+    if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
+        console.print("[yellow]train[/]: FSDP over one rank shards nothing")
+    manifest_sha = store.manifest_hash(store_dir)
+    key = run_key(params, manifest_sha, data_dir)
+    a, step_tokens = plan(params, data_dir)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        stop_orphans(out_dir, console)
+        _set_aside_if_stale(out_dir, key, console)
+    with exclusive(out_dir):
+        console.print(accounting_table(a, params))
+        run_id, resumed = _open_run(out_dir, key, console)
+        tracker = MlflowTracker(run_id, spool=out_dir / "tracking-spool.jsonl")
+        resumed_step = last_global_step(out_dir / "checkpoints") if resumed else None
+        if not resumed:
+            tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
+                                "train.resolved_lr": params.train.resolved_lr(), "device": device})
+            tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
+                              "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train"})
+        else:
+            tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
+            console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
+        write_json_atomic(out_dir / "accounting.json", a.to_json())
+        write_json_atomic(out_dir / "plan.json", {"total_steps": a.total_steps, "step_tokens": step_tokens,
+                                                  "last_logged_step": _last_logged_step(run_id)})
+        d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
+        argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
+                                store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
+                                total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device)
+        cmd = torchrun_cmd(params, argv)
+        write_json_atomic(out_dir / "command.json", {"cmd": cmd})
+        (out_dir / "failure.json").unlink(missing_ok=True)
+        env = dict(os.environ, MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
+                   MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
+                   DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
+        started = time.perf_counter()
+        mlflow.set_system_metrics_sampling_interval(2)
+        with mlflow.start_run(run_id=run_id, log_system_metrics=True):
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            write_json_atomic(out_dir / "launch.json", {"pgid": proc.pid})
+            try:
+                rc = proc.wait()
+            except KeyboardInterrupt:
+                os.killpg(proc.pid, signal.SIGTERM)
+                rc = proc.wait()
+        (out_dir / "launch.json").unlink(missing_ok=True)
+        wall = time.perf_counter() - started
+        client = mlflow.MlflowClient()
+        if rc != 0:
+            failure = out_dir / "failure.json"
+            why = json.loads(failure.read_text())["message"] if failure.exists() else f"torchrun exited with {rc}"
+            client.set_terminated(run_id, "FAILED")
+            raise TrainingFailed(f"train: {why}; see {out_dir / 'logs'} and MLflow run {run_id}")
+
+        observed_steps = last_global_step(out_dir / "checkpoints")
+        problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0)
+        write_json_atomic(out_dir / "accounting-check.json", {"problems": problems, "observed_steps": observed_steps})
+        tracker.log_artifact(out_dir / "accounting.json")
+        tracker.log_artifact(out_dir / "accounting-check.json")
+        if problems:
+            client.set_terminated(run_id, "FAILED")
+            raise TrainingFailed("train: accounting mismatch: " + "; ".join(problems))
+        best = out_dir / "checkpoints" / "checkpoint_best"
+        checkpoint = best.resolve() if best.exists() else max(
+            (out_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+        tracker.set_tags({"draftlab.checkpoint": str(checkpoint), "draftlab.accounting": "verified"})
+        for f in ("config.json", "model.safetensors"):
+            tracker.log_artifact(checkpoint / f, "checkpoint")
+        tokens_per_s = sum(step_tokens) / wall
+        tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
+        result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
+                  "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
+                  "accounting": "verified"}
+        write_json_atomic(out_dir / "train.json", result)
+        client.set_terminated(run_id, "FINISHED")
+    console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
+                  f"checkpoint {checkpoint}; MLflow run {run_id}")
+    return TrainResult(run_id, out_dir, checkpoint, a.total_steps, wall)
