@@ -95,7 +95,7 @@ def init_repo(root: Path, dvc: str, cache_type: str) -> None:
 
 
 def generate_store(store_dir: Path, args, seed: int) -> dict:
-    """Random files written as extract writes them (one write + fsync each); returns the
+    """Random files, each written as extract writes it (one write + fsync); returns the
     manifest records and the in-memory sha256 / md5 (/ xxh3) seconds over the same bytes."""
     import numpy as np
 
@@ -124,8 +124,6 @@ def generate_store(store_dir: Path, args, seed: int) -> dict:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-            if not args.warm:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         records.append({"index": i, "name": name, "bytes": size, "sha256": digest, "tokens": size // 57_352})
     return {"records": records, "bytes": size * args.files, "sha256_s": sha_s, "md5_s": md5_s,
             "xxh3_128_s": xxh_s if xxh3_128 is not None else None}
@@ -147,12 +145,30 @@ def link_kind(path: Path, nlink_before: int) -> str:
     return "hardlink" if os.lstat(path).st_nlink > nlink_before else "copy (or reflink)"
 
 
-def run_store(root: Path, dvc: str, cache_type: str, src: Path) -> dict:
+def link_store(src: Path, store_dir: Path, records: list[dict]) -> None:
+    """The generated files, hard-linked: every approach sees the same bytes, none is copied."""
+    store_dir.mkdir(parents=True)
+    for rec in records:
+        os.link(src / rec["name"], store_dir / rec["name"])
+
+
+def evict(store_dir: Path) -> None:
+    """Drop the (clean, fsynced) files from the page cache so that DVC reads them from disk."""
+    for path in store_dir.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_store(root: Path, dvc: str, cache_type: str, src: Path, records: list[dict], warm: bool) -> dict:
     """Whole-store tracking: dvc add of the folder, then a no-change dvc status (timed 2nd)."""
     init_repo(root, dvc, cache_type)
     store_dir = root / "data" / "hidden_states"
-    store_dir.parent.mkdir(parents=True)
-    os.rename(src, store_dir)
+    link_store(src, store_dir, records)
+    if not warm:
+        evict(store_dir)
     probe = store_dir / "hs_0.safetensors"
     nlink_before = os.lstat(probe).st_nlink
     add_s = timed([dvc, "add", "-q", "data/hidden_states"], root)
@@ -161,14 +177,11 @@ def run_store(root: Path, dvc: str, cache_type: str, src: Path) -> dict:
     return {"add_s": add_s, "status_s": status_s, "link": link_kind(probe, nlink_before)}
 
 
-def run_manifest(root: Path, dvc: str, cache_type: str, store_src: Path, records, num_records: int) -> dict:
-    """draftlab's design: the store's files sit in the workspace (hard links, so no bytes are
-    written), DVC tracks manifest.json only."""
+def run_manifest(root: Path, dvc: str, cache_type: str, src: Path, records, num_records: int) -> dict:
+    """draftlab's design: the store's files sit in the workspace, DVC tracks manifest.json only."""
     init_repo(root, dvc, cache_type)
     store_dir = root / "data" / "hidden_states"
-    store_dir.mkdir(parents=True)
-    for rec in records:
-        os.link(store_src / rec["name"], store_dir / rec["name"])
+    link_store(src, store_dir, records)
     manifest_bytes = write_manifest(store_dir / "manifest.json", records, num_records)
     add_s = timed([dvc, "add", "-q", "data/hidden_states/manifest.json"], root)
     timed([dvc, "status", "-q"], root)
@@ -191,25 +204,16 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             rd = work / f"round-{r}"
-            # One generated store per store-approach (dvc add moves/links its files), plus the
-            # manifest approach links to the first one's bytes.
-            srcs = {}
-            for j, c in enumerate(cache_types):
-                g = generate_store(rd / f"src-{j}", args, seed=1000 * r + j)
-                srcs[c] = rd / f"src-{j}"
-                gens.append(g)
-            keep = rd / "src-manifest"
-            os.mkdir(keep)
-            for rec in gens[-1]["records"]:
-                os.link(srcs[cache_types[-1]] / rec["name"], keep / rec["name"])
+            gens.append(generate_store(rd / "src", args, seed=r))
+            records = gens[-1]["records"]
             order = approaches if r % 2 == 0 else approaches[::-1]
             for a in order:
                 if a == "manifest":
-                    res = run_manifest(rd / "repo-manifest", dvc, cache_types[0], keep, gens[-1]["records"],
+                    res = run_manifest(rd / "repo-manifest", dvc, cache_types[0], rd / "src", records,
                                        args.manifest_records)
                 else:
                     c = a[len("store["):-1]
-                    res = run_store(rd / f"repo-{cache_types.index(c)}", dvc, c, srcs[c])
+                    res = run_store(rd / f"repo-{cache_types.index(c)}", dvc, c, rd / "src", records, args.warm)
                 runs[a].append(res)
                 print(f"  round {r + 1} {a}: dvc add {res['add_s']:.2f} s, 2nd dvc status {res['status_s']:.2f} s"
                       + (f" (workspace: {res['link']})" if "link" in res else ""), flush=True)

@@ -19,7 +19,7 @@ def tiny_params(**sections):
 
     raw = {
         "target": {"tiny": {"pretrain_steps": 40, "hidden_size": 32, "intermediate_size": 64}},
-        "prepare": {"num_samples": 41, "max_seq_len": 96, "regenerate": True, "max_new_tokens": 24},
+        "prepare": {"num_samples": 39, "max_seq_len": 96, "regenerate": True, "max_new_tokens": 24},
         "extract": {"batch_tokens": 512},
     }
     for name, values in sections.items():

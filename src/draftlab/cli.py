@@ -114,6 +114,23 @@ def train(
 
 
 @app.command()
+def export(
+    params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
+    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = Path("runs/train"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder (its manifest).")] = Path("data/hidden_states"),
+    out: Annotated[Path, typer.Option(help="Exported draft folder.")] = Path("models/draft"),
+) -> None:
+    """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers)."""
+    p = _load(params)
+    from draftlab.stages import export as stage
+    from draftlab.tracking import MlflowTracker, run_id_of
+
+    _guard(lambda: stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
+                             tracker=MlflowTracker(run_id_of(train_dir))))
+
+
+@app.command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
     quick: Annotated[bool, typer.Option(help="Check sizes only, skip re-hashing.")] = False,

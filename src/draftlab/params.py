@@ -216,6 +216,31 @@ class Train(Section):
         return {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[self.lr_scaling] * self.lr
 
 
+class Evaluate(Section):
+    """Predicted (validation) and measured (speculative decoding) acceptance length."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="`hf`: speculative decoding here with Hugging Face models (any device); "
+        "`vllm`: serve the exported draft with vLLM and measure it (GPU hosts)."
+    )
+    num_prompts: PositiveInt = Field(16, description="Held-out (val split) prompts decoded for the measured figure.")
+    max_new_tokens: PositiveInt = Field(48, description="Tokens generated per prompt.")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="Draft tokens proposed per target forward; null = train.ttt_steps."
+    )
+    vllm_port: PositiveInt = Field(8011, description="Port of the vLLM server the vllm backend starts.")
+    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM --gpu-memory-utilization.")
+
+
+class Export(Section):
+    """The served draft folder."""
+
+    verifier_path: str | None = Field(
+        None, description="The target's path or hub id on the serving host, written into the draft's "
+        "config; null = the hub id (hub targets) or this host's absolute target path."
+    )
+
+
 class Params(Section):
     """The whole params.yaml."""
 
@@ -224,6 +249,8 @@ class Params(Section):
     prepare: Prepare = Field(default_factory=Prepare, description="The prepare stage.")
     extract: Extract = Field(default_factory=Extract, description="The extract stage.")
     train: Train = Field(default_factory=Train, description="The train stage.")
+    evaluate: Evaluate = Field(default_factory=Evaluate, description="The evaluate stage.")
+    export: Export = Field(default_factory=Export, description="The export stage.")
 
     def check_paths(self, root: Path) -> None:
         """Checks that need the filesystem (kept out of field validation so that tests and

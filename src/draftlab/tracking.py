@@ -179,3 +179,11 @@ def git_tags(root: Path = Path(".")) -> dict[str, str]:
     ignored_prefixes = ("dvc.lock", "reports/", "data/", "models/", "runs/")
     dirty = any(not path.startswith(ignored_prefixes) for path in changed)
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def run_id_of(train_dir: Path) -> str:
+    """The training run id the train stage wrote into its outputs (evaluate/export log there)."""
+    path = Path(train_dir) / "train.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no finished training here; run `dvc repro train`")
+    return json.loads(path.read_text())["run_id"]

@@ -234,12 +234,14 @@ def stop_orphans(out_dir: Path, console) -> None:
 
 
 def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
-    """Last record per (epoch, rank) of what the ranks' samplers handed out."""
+    """What the ranks' samplers handed out, per (epoch, rank). After a mid-epoch resume the
+    sampler hands out only the remaining batches, so records of one epoch are merged."""
     seen: dict[int, dict[int, list[int]]] = {}
     for path in sorted((out_dir / "samples").glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            seen.setdefault(rec["epoch"], {})[rec["rank"]] = rec["ids"]
+            ids = seen.setdefault(rec["epoch"], {}).setdefault(rec["rank"], [])
+            ids.extend(i for i in rec["ids"] if i not in set(ids))
     return seen
 
 

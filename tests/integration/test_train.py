@@ -1,0 +1,151 @@
+"""`draftlab train` for real: torchrun, 2 gloo ranks, speculators' trainer, a real MLflow store.
+
+Uses the session's tiny pipeline (39 samples, 35 of them train: an odd split, so the packing sampler's
+per-epoch drops and uneven rank loads are exercised)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+
+def _train_params(built, **train):
+    from tests.conftest import tiny_params
+
+    params = built[0]
+    raw = params.model_dump()
+    raw["train"].update({"epochs": 2, "total_seq_len": 128, "draft_vocab_size": 64, "lr": 3e-3, **train})
+    from draftlab.params import parse_params
+
+    return parse_params(raw)
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    return mlflow.MlflowClient(uri)
+
+
+def _run(params, built, out_dir):
+    from draftlab.stages import train
+
+    _, target_dir, data_dir, store_dir = built
+    return train.run(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out_dir)
+
+
+def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tmp_path, mlflow_store):
+    from draftlab.stages.train import plan
+
+    params = _train_params(built, gpus=2)
+    a, _ = plan(params, built[2])
+    assert a.train_samples % 2 == 1
+    result = _run(params, built, tmp_path / "run")
+
+    runs = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
+    assert len(runs) == 1, "one run per training job, not one per rank"
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_id == result.run_id
+    p = run.data.params
+    assert int(p["world_size"]) == 2 and int(p["total_steps"]) == a.total_steps == result.total_steps
+    assert int(p["tokens_per_step"]) == 2 * 128
+    assert json.loads(p["dropped_samples"]) == a.dropped_samples
+    steps = [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == list(range(a.total_steps)), "every global step logged once"
+    assert {"train/loss_0", "train/full_acc_0", "train/cond_acc_0", "lr/AdamW", "epoch", "perf/steps_per_s",
+            "perf/tokens_per_s", "perf/data_wait_frac", "perf/eta_s", "val/loss_epoch"} <= run.data.metrics.keys()
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    assert run.data.tags["data.hidden_states_hash"] and run.data.tags["git.commit"]
+    check = json.loads((tmp_path / "run" / "accounting-check.json").read_text())
+    assert check == {"problems": [], "observed_steps": a.total_steps}
+    # the ranks' recorded sample sets: disjoint per epoch
+    recs = [json.loads(l) for f in (tmp_path / "run" / "samples").glob("*.jsonl") for l in f.read_text().splitlines()]
+    for epoch in range(2):
+        r0, r1 = ([set(r["ids"]) for r in recs if r["epoch"] == epoch and r["rank"] == k] for k in (0, 1))
+        assert r0 and r1 and not (r0[-1] & r1[-1])
+    assert json.loads((tmp_path / "run" / "train.json").read_text())["run_id"] == result.run_id
+
+
+def test_accounting_mismatch_is_reported():
+    from draftlab import accounting as acc
+
+    plan = acc.plan_epochs([50, 60, 70, 80, 90], total_seq_len=128, world_size=2, epochs=1, seed=0)
+    ids = [[i for b in acc.rank_batches([50, 60, 70, 80, 90], total_seq_len=128, world_size=2, rank=r,
+                                        seed=0, epoch=0) for i in b] for r in range(2)]
+    assert acc.check_observed(plan, {0: {0: ids[0], 1: ids[1]}}, plan.total_steps) == []
+    every_rank_all = {0: {0: ids[0] + ids[1], 1: ids[0] + ids[1]}}  # the reference run's failure mode
+    problems = acc.check_observed(plan, every_rank_all, plan.total_steps * 2)
+    assert any("global steps: observed" in p for p in problems)
+    assert any("repeats" in p for p in problems)
+
+
+def test_same_seed_one_rank_gives_identical_metrics(built, tmp_path, mlflow_store):
+    params = _train_params(built, epochs=1)
+    first = _run(params, built, tmp_path / "a")
+    second = _run(params, built, tmp_path / "b")
+    for key in ("train/loss", "train/full_acc_0", "val/loss_epoch"):
+        h1 = [(m.step, m.value) for m in mlflow_store.get_metric_history(first.run_id, key)]
+        h2 = [(m.step, m.value) for m in mlflow_store.get_metric_history(second.run_id, key)]
+        assert h1 == h2 and h1, key
+
+
+def test_nan_loss_stops_the_run_with_a_clear_message(built, tmp_path, mlflow_store):
+    from draftlab.stages.train import TrainingFailed
+
+    params = _train_params(built, epochs=1, lr=1e30, scheduler="none")
+    with pytest.raises(TrainingFailed, match=r"train/loss is (nan|inf)"):
+        _run(params, built, tmp_path / "nan")
+    run = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])[0]
+    assert run.info.status == "FAILED"
+
+
+def test_bad_train_params_fail_before_launch(built, tmp_path, mlflow_store):
+    from draftlab.params import ParamsError
+
+    params = _train_params(built, extra_args=["--target-layer-ids", "1", "2", "3"])
+    with pytest.raises(ParamsError, match=r"train.extra_args: --target-layer-ids \[1, 2, 3\] disagrees"):
+        _run(params, built, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_kill_9_then_rerun_resumes_the_same_run_without_relogging(built, tmp_path, mlflow_store):
+    """kill -9 the launcher mid-training: the rerun stops its orphaned ranks, resumes from the
+    last checkpoint in the same MLflow run, and logs no step twice."""
+    params = _train_params(built, epochs=3, total_seq_len=96)
+    _, target_dir, data_dir, store_dir = built
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params.model_dump()))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
+           "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+    env = dict(os.environ)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "0" / "training_state.json").exists():
+        assert proc.poll() is None, "training ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads((out / "train.json").read_text())["run_id"] == run_id
+    runs = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert "draftlab.resumed_from_step" in runs[0].data.tags
+    steps = [m.step for m in mlflow_store.get_metric_history(run_id, "train/loss")]
+    total = json.loads((out / "accounting.json").read_text())["total_steps"]
+    assert sorted(steps) == list(range(total)), "each step logged exactly once across the kill"
