@@ -114,6 +114,24 @@ def train(
 
 
 @app.command()
+def evaluate(
+    params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = Path("runs/train"),
+    out: Annotated[Path, typer.Option(help="Reports folder (metrics.json, plots, figures).")] = Path("reports"),
+) -> None:
+    """Predicted (validation) and measured (speculative decoding) acceptance length."""
+    p = _load(params)
+    from draftlab.stages import evaluate as stage
+    from draftlab.tracking import MlflowTracker, run_id_of
+
+    _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir,
+                             out_dir=out, tracker=MlflowTracker(run_id_of(train_dir))))
+
+
+@app.command()
 def export(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -181,6 +199,21 @@ def summary(
     from draftlab.summary import show
 
     show(_load(params))
+
+
+@app.command("tracking-import")
+def tracking_import(
+    spool: Annotated[Path, typer.Argument(help="A spool written while MLflow was unreachable.")],
+) -> None:
+    """Upload the metric records kept locally during a tracking outage."""
+    from draftlab.console import console
+    from draftlab.tracking import replay_spool
+
+    if not spool.is_file():
+        _fail(f"{spool}: no such spool file")
+    n = replay_spool(spool)
+    spool.rename(spool.with_suffix(".imported.jsonl"))
+    console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
 
 
 @app.command("params")

@@ -1,0 +1,234 @@
+"""The `evaluate` stage: how many tokens the draft saves per target forward pass.
+
+Predicted: on the validation split, per TTT step k, loss, `full_acc_k` and `cond_acc_k`, with the
+target's argmax taken over the *full* vocabulary (speculators' own metric compares argmaxes
+over the draft vocabulary, which overstates acceptance whenever the target's token lies outside
+it: here such a token counts as a rejection). `eval/simulated_acc_len` = 1 + Σ_k full_acc_k,
+tokens per target forward with the bonus token, vLLM's convention for its mean acceptance length.
+
+Measured: real greedy speculative decoding of held-out prompts (`draftlab.specdec`), with
+`eval/measured_acc_len` = 1 + accepted / drafts, acceptance per position, and target forward
+passes saved against plain greedy decoding. Both go to the training run in MLflow and to
+`reports/metrics.json` (DVC metrics), with per-step curves as DVC plots and PNG figures.
+
+    draftlab evaluate --params params.yaml --train runs/train --out reports
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab.params import Params
+from draftlab.util import write_json_atomic
+
+
+@dataclass(frozen=True)
+class EvaluateResult:
+    metrics: dict
+
+
+def load_draft(checkpoint: Path, verifier: str):
+    """The trained draft on CPU, sdpa attention (`_attn_implementation` is not saved)."""
+    from draftlab.specdec import load_draft as _load
+
+    return _load(checkpoint, verifier)
+
+
+def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) -> dict:
+    """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax."""
+    import torch
+    from hs_connectors import FileTransfer
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    t = params.train
+    ds = ArrowDataset(max_len=t.total_seq_len, datapath=str(data_dir), transfer=FileTransfer(Path(store_dir)),
+                      on_missing="raise", train_ratio=params.data.train_ratio, split="val",
+                      hidden_states_dtype=getattr(torch, t.hidden_states_dtype))
+    collate = CollateFn(t.total_seq_len, target.config.hidden_size, num_target_layers=3,
+                        dtype=getattr(torch, t.hidden_states_dtype))
+    steps = t.ttt_steps
+    d2t, in_draft_vocab = draft.d2t.long(), draft.t2d.bool()
+    keys = ("loss", "full_correct", "full_total", "cond_total", "spec_full_correct")
+    sums = {f"{k}_{s}": 0.0 for s in range(steps) for k in keys}
+    oov = total_masked = n_batches = 0
+    for i in range(len(ds)):
+        batch = collate([ds[i]])
+        with torch.no_grad():
+            logits_steps, spec = draft_forward(draft, batch, steps)
+            h = batch["verifier_last_hidden_states"].to(target.dtype)
+            tgt = target.lm_head(target.model.norm(h)).argmax(-1)  # [1, T]: full vocabulary
+        mask = batch["loss_mask"].bool()
+        oov += int((mask & ~in_draft_vocab[tgt]).sum())
+        total_masked += int(mask.sum())
+        # prev is indexed by the position a draft chain starts from (speculators' prev_correct)
+        prev, T = mask.clone(), mask.shape[1]
+        for s, logits in enumerate(logits_steps):
+            pred = logits.argmax(-1)
+            pred_t = (pred + d2t[pred])[:, : T - s]  # draft vocab → target ids
+            chain = prev[:, : T - s]
+            sums[f"cond_total_{s}"] += float(chain.sum())
+            correct = chain & (pred_t == tgt[:, s:])  # an out-of-draft-vocab target never matches
+            prev[:, : T - s] = correct
+            m = mask[:, s:]
+            sums[f"full_correct_{s}"] += float((correct & m).sum())
+            sums[f"full_total_{s}"] += float(m.sum())
+            sums[f"loss_{s}"] += float(spec.get(f"loss_{s}_sum", torch.tensor(0.0)))
+            sums[f"spec_full_correct_{s}"] += float(spec.get(f"full_acc_{s}_sum", torch.tensor(0.0)))
+        n_batches += 1
+    out = {}
+    for s in range(steps):
+        out[f"eval/loss_{s}"] = sums[f"loss_{s}"] / max(n_batches, 1)
+        out[f"eval/full_acc_{s}"] = sums[f"full_correct_{s}"] / max(sums[f"full_total_{s}"], 1)
+        out[f"eval/cond_acc_{s}"] = sums[f"full_correct_{s}"] / max(sums[f"cond_total_{s}"], 1)
+        out[f"eval/draft_vocab_full_acc_{s}"] = sums[f"spec_full_correct_{s}"] / max(sums[f"full_total_{s}"], 1)
+    out["eval/simulated_acc_len"] = 1 + sum(out[f"eval/full_acc_{s}"] for s in range(steps))
+    out["eval/simulated_acc_len_draft_vocab"] = 1 + sum(out[f"eval/draft_vocab_full_acc_{s}"] for s in range(steps))
+    out["eval/target_token_oov_frac"] = oov / max(total_masked, 1)
+    out["eval/val_samples"] = len(ds)
+    return out
+
+
+def draft_forward(draft, batch, steps: int):
+    """speculators' own teacher-forced forward: its metrics, and each TTT step's logits
+    (captured at the draft's lm_head)."""
+    captured = []
+    handle = draft.lm_head.register_forward_hook(lambda m, a, out: captured.append(out))
+    try:
+        _, _, metrics = draft(**batch, ttt_steps=steps) if _takes_ttt(draft) else draft(**batch)
+    finally:
+        handle.remove()
+    return captured[:steps], metrics
+
+
+def _takes_ttt(draft) -> bool:
+    import inspect
+
+    return "ttt_steps" in inspect.signature(draft.forward).parameters
+
+
+def held_out_prompts(params: Params, data_dir: Path, tokenizer, n: int) -> list[list[int]]:
+    """Val-split rows cut before their first assistant token: the prompt a server would get."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(data_dir)).with_format(None)
+    start = int(len(ds) * params.data.train_ratio)
+    prompts = []
+    for row in ds.select(range(start, min(len(ds), start + n))):
+        first = row["loss_mask"].index(1) if 1 in row["loss_mask"] else len(row["input_ids"])
+        prompts.append(row["input_ids"][:first])
+    return prompts
+
+
+def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]], layer_ids: list[int]) -> dict:
+    from draftlab import specdec
+    from draftlab.generation import stop_token_ids
+
+    k = params.evaluate.num_speculative_tokens or params.train.ttt_steps
+    stops = stop_token_ids(tokenizer)
+    stats = specdec.AcceptanceStats(num_speculative_tokens=k)
+    lossless = True
+    for ids in prompts:
+        spec = specdec.speculative_generate(target, draft, ids, num_speculative_tokens=k,
+                                            max_new_tokens=params.evaluate.max_new_tokens,
+                                            layer_ids=layer_ids, stop_ids=stops)
+        plain = specdec.plain_greedy(target, ids, max_new_tokens=params.evaluate.max_new_tokens, stop_ids=stops)
+        lossless &= spec.tokens == plain.tokens
+        stats.add(spec, plain)
+    out = {f"eval/{k_}": v for k_, v in stats.summary().items()}
+    out["eval/lossless"] = float(lossless)
+    return out
+
+
+def _figures(run_id: str | None, metrics: dict, steps: int, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    pos = list(range(steps))
+    ax.bar([p - 0.2 for p in pos], [metrics.get(f"eval/full_acc_{s}", 0) for s in pos], 0.4, label="predicted (val full_acc_k)")
+    ax.bar([p + 0.2 for p in pos], [metrics.get(f"eval/accept_rate_{s}", 0) for s in pos], 0.4, label="measured (spec. decoding)")
+    ax.set_xlabel("draft position k"), ax.set_ylabel("acceptance"), ax.set_ylim(0, 1), ax.legend()
+    ax.set_title("acceptance by position")
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_by_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    if run_id:
+        import mlflow
+
+        client = mlflow.MlflowClient()
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for s in range(steps):
+            hist = client.get_metric_history(run_id, f"train/loss_{s}")
+            if hist:
+                ax.plot([m.step for m in hist], [m.value for m in hist], label=f"TTT step {s}")
+        ax.set_xlabel("global step"), ax.set_ylabel("train loss"), ax.set_yscale("log"), ax.legend()
+        ax.set_title("loss per TTT step")
+        fig.tight_layout()
+        paths.append(out_dir / "loss_per_ttt_step.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _plots(run_id: str | None, steps: int, metrics: dict, out_dir: Path) -> None:
+    """CSV curves for `dvc plots show`."""
+    import csv
+
+    rows = [{"position": s, "predicted": metrics.get(f"eval/full_acc_{s}", 0.0),
+             "measured": metrics.get(f"eval/accept_rate_{s}", 0.0)} for s in range(steps)]
+    with open(out_dir / "acceptance.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    if run_id:
+        import mlflow
+
+        client = mlflow.MlflowClient()
+        hist = {s: {m.step: m.value for m in client.get_metric_history(run_id, f"train/loss_{s}")} for s in range(steps)}
+        with open(out_dir / "train_loss.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", *[f"loss_{s}" for s in range(steps)]])
+            for step in sorted(hist[0]):
+                w.writerow([step, *[hist[s].get(step, "") for s in range(steps)]])
+
+
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, train_dir: Path,
+        out_dir: Path, tracker=None) -> EvaluateResult:
+    from draftlab import store
+    from draftlab.console import console
+    from draftlab.stages.target import load_target, resolve
+
+    started = time.perf_counter()
+    train = json.loads((Path(train_dir) / "train.json").read_text())
+    manifest = store.read_manifest(store_dir)
+    target, tokenizer = load_target(params, target_dir)
+    draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir))
+    metrics = simulated(params, draft, target, data_dir, store_dir)
+    prompts = held_out_prompts(params, data_dir, tokenizer, params.evaluate.num_prompts)
+    metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
+    if metrics.get("eval/measured_acc_len"):
+        metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
+    metrics["eval/wall_clock_s"] = time.perf_counter() - started
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_dir / "metrics.json", {**metrics, "run_id": train["run_id"]})
+    steps = params.train.ttt_steps
+    _plots(train["run_id"], steps, metrics, out_dir)
+    figures = _figures(train["run_id"], metrics, steps, out_dir)
+    if tracker is not None:
+        tracker.log_metrics(metrics)
+        for path in [out_dir / "metrics.json", out_dir / "acceptance.csv", *figures]:
+            tracker.log_artifact(path, "evaluate")
+    console.print(
+        f"[bold]evaluate[/]: simulated acceptance length {metrics['eval/simulated_acc_len']:.3f} "
+        f"(draft-vocab metric {metrics['eval/simulated_acc_len_draft_vocab']:.3f}), measured "
+        f"{metrics.get('eval/measured_acc_len', float('nan')):.3f} on {len(prompts)} prompts; "
+        f"lossless: {bool(metrics['eval/lossless'])} → {out_dir / 'metrics.json'}"
+    )
+    return EvaluateResult(metrics)
