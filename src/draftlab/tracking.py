@@ -172,10 +172,10 @@ def git_tags(root: Path = Path(".")) -> dict[str, str]:
     import subprocess
 
     def git(*args):
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout
 
-    commit = git("rev-parse", "HEAD") or "unknown"
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    commit = git("rev-parse", "HEAD").strip() or "unknown"
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
     ignored_prefixes = ("dvc.lock", "reports/", "data/", "models/", "runs/")
     dirty = any(not path.startswith(ignored_prefixes) for path in changed)
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}

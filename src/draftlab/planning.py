@@ -1,0 +1,525 @@
+"""The cost model behind `draftlab plan`: bytes on disk, packed steps, wall-clock and GPU-hours,
+each figure with where it came from, and the warnings that catch plans which waste compute.
+
+    store      tokens × (4 × H × dtype + 8) + files × safetensors header      (draftlab.store)
+    steps      speculators' own packing sampler (draftlab.accounting), exact from per-sample
+               lengths; from counts alone, a range over stated length distributions
+    wall-clock epochs × trained tokens ÷ T(n), T(n) = real tokens/s at n GPUs, measured
+               ("calibration", "mlflow run <id>") or "stated", else scaled from the nearest one
+    GPU-hours  wall-clock × n
+
+Why counts use a shortcut: `accounting.plan_epochs` (what `draftlab train` runs) builds every
+rank's sampler for every epoch; for 35,446 samples × 4 ranks × 5 epochs that is 20 packings of
+~0.3–1 s each (18 s measured on a 2-core VM) plus ~10–25 s to import speculators. Steps need
+less: every rank's sampler runs the same LPT packing over the same shuffle and keeps only its
+own bin, so rank 0's batch count *is* every rank's (plan_epochs asserts they agree), and the
+per-epoch reshuffle moves the count by < 0.2 % (measured: 6,581 vs 6,583; 4,998 vs 4,991),
+far inside the range spanned by the length distributions. So counts run the sampler once per
+(distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
+file without the package's heavy `__init__`: the same code, a few seconds in all.
+
+Nothing here imports torch at module level. `plan_table` needs rich; `throughputs_from_mlflow`
+needs mlflow (both imported inside).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from draftlab import store
+
+DEFAULT_GPU_COUNTS = (1, 2, 4, 8)
+SAFETENSORS_HEADER_BYTES = 168  # measured: 8-byte length + JSON header of hs_<i> ([T, 4, H] + [T])
+CONTAINER_DEFAULT_SHM_BYTES = 64 * 2**20  # docker's default --shm-size (64m)
+LENGTH_SIGMAS = (0.35, 0.7, 1.05)  # lognormal spreads tried when only counts are known (narrow → wide)
+CENTRAL_SIGMA = 0.7
+NOT_SHARDED_RATIO = 1.5  # observed steps/epoch this far above the sharded prediction = ranks repeat data
+# What one packed row of speculators' CollateFn holds per token besides hidden states:
+# input_ids, position_ids, document_ids (int64) and loss_mask (int64 from a torch-format dataset).
+COLLATE_INDEX_BYTES_PER_TOKEN = 4 * 8
+
+
+class PlanWarning(NamedTuple):
+    code: str  # not-sharded | lr-not-scaled | disk-too-small | shm-too-small | samples-truncated
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Real (unpadded) training tokens per second over all ranks at `gpus` GPUs."""
+
+    gpus: int
+    tokens_per_s: float
+    source: str  # "calibration", "mlflow run <id>", "stated", or how it was scaled from one
+
+
+def tokens_per_s_from_steps(steps_per_s: float, world_size: int, tokens_per_rank_step: float) -> float:
+    """E.g. the reference run: 1.4 steps/s × 4 ranks × 2,353 tokens per rank-step ≈ 13.2 k tokens/s."""
+    return steps_per_s * world_size * tokens_per_rank_step
+
+
+def throughput_at(points: Sequence[Throughput], gpus: int, scaling_efficiency: float = 1.0) -> Throughput | None:
+    """T(gpus): a measured point if there is one, else the nearest (in log2 GPUs) scaled per GPU,
+    × `scaling_efficiency` per doubling (1.0 = linear: ranks shard data, no extra communication)."""
+    if not points:
+        return None
+    for p in points:
+        if p.gpus == gpus:
+            return p
+    near = min(points, key=lambda p: (abs(math.log2(gpus / p.gpus)), -p.gpus))
+    doublings = math.log2(gpus / near.gpus)
+    tps = near.tokens_per_s * gpus / near.gpus * scaling_efficiency**doublings
+    how = "linearly" if scaling_efficiency == 1.0 else f"× {scaling_efficiency:g} per doubling"
+    return Throughput(gpus, tps, f"{near.source} at {near.gpus} GPU(s), scaled {how}")
+
+
+# ---------------------------------------------------------------- bytes
+
+
+def store_bytes(num_tokens: int, num_samples: int, hidden_size: int, dtype: str = "bfloat16",
+                header_bytes: int = SAFETENSORS_HEADER_BYTES) -> int:
+    """Hidden-state store on disk: payload per token (store.bytes_per_token) + one header per file."""
+    return num_tokens * store.bytes_per_token(hidden_size, dtype) + num_samples * header_bytes
+
+
+def batch_bytes(total_seq_len: int, hidden_size: int, dtype: str = "bfloat16") -> int:
+    """One packed row as speculators' CollateFn builds it: hidden_states [L, 3H] + verifier_last
+    [L, H] in `dtype`, plus the int64 index tensors (~470 MB at L = 8,192, H = 7,168, bf16)."""
+    return total_seq_len * (4 * hidden_size * store.DTYPE_BYTES[dtype] + COLLATE_INDEX_BYTES_PER_TOKEN)
+
+
+def loader_inflight_bytes(total_seq_len: int, hidden_size: int, dtype: str, num_workers: int,
+                          prefetch_factor: int) -> int:
+    """Shared memory one rank's DataLoader keeps in flight: workers × prefetch × batch bytes
+    (0 with num_workers = 0: batches are built in the rank and never cross processes)."""
+    return num_workers * prefetch_factor * batch_bytes(total_seq_len, hidden_size, dtype) if num_workers else 0
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that will hold `path` (its nearest existing ancestor)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def shm_free_bytes(path: Path = Path("/dev/shm")) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    world_size: int
+    steps_per_epoch: tuple[int, int]  # (min, max) global optimizer steps of one epoch
+    total_steps: tuple[int, int]  # (min, max) over all epochs
+    central_total_steps: int
+    bounds_per_epoch: tuple[int, int]  # any packing: ceil(tokens / (W × L)) .. floor(samples / W)
+    trained_tokens_per_epoch: int  # sum of min(length, total_seq_len) over the train split
+    truncated_samples: int  # samples longer than total_seq_len (the collate cuts them)
+    exact: bool
+    basis: str
+    per_distribution: dict[str, list[int]] = field(default_factory=dict)  # steps per epoch
+
+
+def packing_bounds(trained_tokens: int, num_samples: int, total_seq_len: int, world_size: int) -> tuple[int, int]:
+    """A global step holds at most W × L tokens and at least one sample per rank."""
+    return math.ceil(trained_tokens / (world_size * total_seq_len)), num_samples // world_size
+
+
+@functools.cache
+def _standalone_sampler_module():
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("speculators is not installed; `draftlab plan` needs its packing sampler")
+    path = Path(list(spec.submodule_search_locations)[0]) / "train" / "distributed_batch_sampler.py"
+    mod_spec = importlib.util.spec_from_file_location("draftlab._speculators_packing", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def _sampler_class():
+    """speculators' MultipackDistributedBatchSamplerV2: the imported one if speculators is
+    loaded, else the same file executed alone (skipping the package's 10–25 s import)."""
+    loaded = sys.modules.get("speculators.train.distributed_batch_sampler")
+    return (loaded or _standalone_sampler_module()).MultipackDistributedBatchSamplerV2
+
+
+def epoch_steps(lengths, *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
+    """Global optimizer steps of one epoch = rank 0's batches (every rank has as many)."""
+    sampler = _sampler_class()(batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size,
+                               rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    return len(sampler)
+
+
+def plan_from_lengths(lengths: Sequence[int], *, total_seq_len: int, world_size: int, epochs: int,
+                      seed: int = 0, exact: bool = True) -> StepEstimate:
+    """Steps of a train split whose per-sample lengths are known. exact=True runs
+    `accounting.plan_epochs`, the very computation `draftlab train` logs; exact=False counts
+    epoch 0 with the same sampler and multiplies by epochs (for other GPU counts in a table)."""
+    lengths = [int(n) for n in lengths]
+    trained = sum(min(n, total_seq_len) for n in lengths)
+    truncated = sum(n > total_seq_len for n in lengths)
+    if exact:
+        from draftlab import accounting as acc
+
+        per_epoch = [e.steps for e in acc.plan_epochs(lengths, total_seq_len=total_seq_len, world_size=world_size,
+                                                      epochs=epochs, seed=seed).epochs]
+        basis = f"exact: draftlab.accounting on {len(lengths):,} per-sample lengths, every rank and epoch"
+    else:
+        per_epoch = [epoch_steps(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed)] * epochs
+        basis = f"speculators' sampler on {len(lengths):,} per-sample lengths, epoch 0 × {epochs}"
+    return StepEstimate(
+        world_size=world_size,
+        steps_per_epoch=(min(per_epoch), max(per_epoch)),
+        total_steps=(sum(per_epoch), sum(per_epoch)),
+        central_total_steps=sum(per_epoch),
+        bounds_per_epoch=packing_bounds(trained, len(lengths), total_seq_len, world_size),
+        trained_tokens_per_epoch=trained,
+        truncated_samples=truncated,
+        exact=exact,
+        basis=basis,
+        per_distribution={"measured": per_epoch},
+    )
+
+
+def synthesise_lengths(num_samples: int, num_tokens: int, *, sigma: float, max_len: int, seed: int = 0):
+    """`num_samples` lognormal(σ) lengths in [1, max_len] summing to exactly `num_tokens`
+    (clipping, then rescaling the unclipped part until the mean is restored)."""
+    import numpy as np
+
+    if not num_samples <= num_tokens <= num_samples * max_len:
+        raise ValueError(f"{num_tokens:,} tokens cannot be {num_samples:,} samples of 1..{max_len:,} tokens")
+    x = np.random.default_rng(seed).lognormal(0.0, sigma, num_samples)
+    x *= num_tokens / x.sum()
+    for _ in range(50):
+        x = np.clip(x, 1, max_len)
+        free = (x > 1) & (x < max_len)
+        missing = num_tokens - x.sum()
+        if abs(missing) < 0.5 or not free.any():
+            break
+        x[free] *= 1 + missing / x[free].sum()
+    out = np.clip(np.rint(x), 1, max_len).astype(np.int64)
+    residual = int(num_tokens - out.sum())  # rounding: move single tokens where there is room
+    step = 1 if residual > 0 else -1
+    room = np.nonzero(out < max_len if step > 0 else out > 1)[0]
+    out[room[: abs(residual)]] += step
+    assert out.sum() == num_tokens, (out.sum(), num_tokens)
+    return out
+
+
+def plan_from_counts(num_samples: int, num_tokens: int, *, total_seq_len: int, world_size: int, epochs: int,
+                     seed: int = 0, max_sample_len: int | None = None,
+                     sigmas: Sequence[float] = LENGTH_SIGMAS) -> StepEstimate:
+    """Steps of a train split known only by its sample and token counts: lengths are
+    synthesised as lognormal(σ) for each σ, matched to the mean and capped at `max_sample_len`
+    (default total_seq_len: data prepared for this packing length), and packed by the trainer's
+    sampler. The result is the min–max over σ; `bounds_per_epoch` hold for any distribution."""
+    max_len = max_sample_len or total_seq_len
+    per: dict[str, list[int]] = {}
+    for sigma in sigmas:
+        lengths = synthesise_lengths(num_samples, num_tokens, sigma=sigma, max_len=max_len, seed=seed)
+        per[f"lognormal σ={sigma:g}"] = [epoch_steps(lengths, total_seq_len=total_seq_len, world_size=world_size,
+                                                     seed=seed)] * epochs
+    per_epoch = [v[0] for v in per.values()]
+    central = per.get(f"lognormal σ={CENTRAL_SIGMA:g}", list(per.values())[len(per) // 2])
+    # mean-matched and capped at max_len, so only lengths above total_seq_len lose tokens
+    trained = num_tokens if max_len <= total_seq_len else None
+    if trained is None:
+        import numpy as np
+
+        mid = synthesise_lengths(num_samples, num_tokens, sigma=CENTRAL_SIGMA, max_len=max_len, seed=seed)
+        trained = int(np.minimum(mid, total_seq_len).sum())
+    mean = num_tokens / num_samples
+    return StepEstimate(
+        world_size=world_size,
+        steps_per_epoch=(min(per_epoch), max(per_epoch)),
+        total_steps=(min(per_epoch) * epochs, max(per_epoch) * epochs),
+        central_total_steps=sum(central),
+        bounds_per_epoch=packing_bounds(trained, num_samples, total_seq_len, world_size),
+        trained_tokens_per_epoch=trained,
+        truncated_samples=0 if max_len <= total_seq_len else -1,  # unknown from counts
+        exact=False,
+        basis=(f"assumed lengths: lognormal σ ∈ {{{', '.join(f'{s:g}' for s in sigmas)}}} with mean {mean:,.0f}, "
+               f"capped at {max_len:,} tokens; speculators' sampler, epoch 0 × {epochs} "
+               "(the reshuffle moves a count by < 0.2 %)"),
+        per_distribution=per,
+    )
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What is trained, independent of the host: the dataset, the draft's input and packing."""
+
+    num_samples: int  # rows of the prepared dataset (train + val)
+    num_tokens: int
+    hidden_size: int
+    dtype: str = "bfloat16"
+    train_ratio: float = 0.9
+    total_seq_len: int = 8192
+    epochs: int = 1
+    world_size: int = 1
+    seed: int = 0
+    lr_scaling: str = "none"
+    lr_base_gpus: int = 1
+    num_workers: int = 12
+    prefetch_factor: int = 4
+    max_sample_len: int | None = None  # longest sample, if known (counts only)
+
+    @classmethod
+    def from_params(cls, params, *, num_samples: int, num_tokens: int, hidden_size: int, **overrides) -> Scenario:
+        t = params.train
+        fields = dict(num_samples=num_samples, num_tokens=num_tokens, hidden_size=hidden_size,
+                      dtype=params.extract.dtype, train_ratio=params.data.train_ratio,
+                      total_seq_len=t.total_seq_len, epochs=t.epochs, world_size=t.world_size(), seed=t.seed,
+                      lr_scaling=t.lr_scaling, lr_base_gpus=t.lr_base_gpus, num_workers=t.num_workers,
+                      prefetch_factor=t.prefetch_factor)
+        return cls(**{**fields, **overrides})
+
+    @property
+    def train_samples(self) -> int:
+        return int(self.num_samples * self.train_ratio)  # speculators' split: row order, floor
+
+    @property
+    def train_tokens(self) -> int:
+        return round(self.num_tokens * self.train_samples / self.num_samples)
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    gpus: int
+    steps_per_epoch: tuple[int, int]
+    total_steps: tuple[int, int]
+    tokens_per_s: float | None
+    throughput_source: str
+    wall_clock_s: float | None
+    gpu_hours: float | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    scenario: Scenario
+    store_bytes: int
+    store_basis: str
+    extraction_hours: float | None
+    extraction_source: str
+    steps: StepEstimate  # at the scenario's world size
+    rows: list[GpuRow]
+    loader_inflight_bytes: int
+    shm_free_bytes: int | None
+    disk_free_bytes: int | None
+    warnings: list[PlanWarning]
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["warnings"] = [w._asdict() for w in self.warnings]
+        out["train_samples"] = self.scenario.train_samples
+        out["train_tokens"] = self.scenario.train_tokens
+        return out
+
+
+def make_plan(scenario: Scenario, *, lengths: Sequence[int] | None = None,
+              gpu_counts: Sequence[int] = DEFAULT_GPU_COUNTS, throughputs: Sequence[Throughput] = (),
+              scaling_efficiency: float = 1.0, extract_tokens_per_s: Throughput | None = None,
+              shm_bytes: int | None = None, disk_free: int | None = None, sharded: bool = True,
+              observed_steps_per_epoch: int | None = None) -> Plan:
+    """The whole plan. `lengths`: every row's length in dataset order (exact steps), else counts.
+    `sharded=False` states that ranks do not shard data (every rank reads everything).
+    `extract_tokens_per_s`: a Throughput whose gpus is ignored."""
+    s = scenario
+    if lengths is not None:
+        train = list(lengths)[: s.train_samples]
+        n_bytes = store_bytes(int(sum(lengths)), len(lengths), s.hidden_size, s.dtype)
+        basis = f"{len(lengths):,} files from the dataset's per-sample lengths"
+
+        def steps_for(w: int, exact: bool) -> StepEstimate:
+            return plan_from_lengths(train, total_seq_len=s.total_seq_len, world_size=w, epochs=s.epochs,
+                                     seed=s.seed, exact=exact)
+    else:
+        n_bytes = store_bytes(s.num_tokens, s.num_samples, s.hidden_size, s.dtype)
+        basis = f"stated counts: {s.num_samples:,} samples, {s.num_tokens:,} tokens"
+
+        def steps_for(w: int, exact: bool) -> StepEstimate:
+            sigmas = LENGTH_SIGMAS if exact else (CENTRAL_SIGMA,)  # other GPU counts: central shape only
+            return plan_from_counts(s.train_samples, s.train_tokens, total_seq_len=s.total_seq_len, world_size=w,
+                                    epochs=s.epochs, seed=s.seed, max_sample_len=s.max_sample_len, sigmas=sigmas)
+
+    main = steps_for(s.world_size, True)
+    rows = []
+    for n in sorted(set(gpu_counts)):
+        est = main if n == s.world_size else steps_for(n, False)
+        t = throughput_at(throughputs, n, scaling_efficiency)
+        wall = s.epochs * main.trained_tokens_per_epoch / t.tokens_per_s if t else None
+        rows.append(GpuRow(n, est.steps_per_epoch, est.total_steps, t.tokens_per_s if t else None,
+                           t.source if t else "no throughput: pass one (calibration, MLflow or stated)",
+                           wall, wall * n / 3600 if wall is not None else None))
+    extraction_h = s.num_tokens / extract_tokens_per_s.tokens_per_s / 3600 if extract_tokens_per_s else None
+    inflight = loader_inflight_bytes(s.total_seq_len, s.hidden_size, s.dtype, s.num_workers, s.prefetch_factor)
+    plan = Plan(s, n_bytes, basis, extraction_h,
+                extract_tokens_per_s.source if extract_tokens_per_s else "no extraction throughput given",
+                main, rows, inflight, shm_bytes, disk_free, [])
+    plan.warnings.extend(check_plan(plan, sharded=sharded, observed_steps_per_epoch=observed_steps_per_epoch))
+    return plan
+
+
+def check_plan(plan: Plan, *, sharded: bool = True, observed_steps_per_epoch: int | None = None) -> list[PlanWarning]:
+    """Plans that waste compute or cannot run, one warning each."""
+    s, out = plan.scenario, []
+    w = s.world_size
+    if w > 1:
+        predicted = plan.steps.steps_per_epoch[1]
+        if not sharded:
+            out.append(PlanWarning("not-sharded", f"every one of the {w} ranks reads the whole train split: "
+                                   f"{w}× the compute for the same epochs; let the packing sampler shard it"))
+        elif observed_steps_per_epoch and observed_steps_per_epoch > NOT_SHARDED_RATIO * predicted:
+            out.append(PlanWarning("not-sharded", f"{observed_steps_per_epoch:,} steps per epoch observed vs "
+                                   f"≤ {predicted:,} predicted for {w} ranks sharding {s.train_samples:,} samples "
+                                   f"({observed_steps_per_epoch / predicted:.1f}×): ranks are repeating data"))
+    if w != s.lr_base_gpus and s.lr_scaling == "none":
+        out.append(PlanWarning("lr-not-scaled", f"the effective batch is {w} × {s.total_seq_len:,} tokens, "
+                               f"{w / s.lr_base_gpus:g}× the batch lr was tuned at ({s.lr_base_gpus} rank(s)), and "
+                               "lr is unchanged; set train.lr_scaling to sqrt or linear"))
+    if plan.disk_free_bytes is not None and plan.store_bytes > plan.disk_free_bytes:
+        out.append(PlanWarning("disk-too-small", f"the store needs {plan.store_bytes / 2**40:.2f} TiB, the disk has "
+                               f"{plan.disk_free_bytes / 2**40:.2f} TiB free; move it or add space"))
+    if plan.shm_free_bytes is not None and plan.loader_inflight_bytes > plan.shm_free_bytes:
+        per_batch = batch_bytes(s.total_seq_len, s.hidden_size, s.dtype)
+        fits = max(plan.shm_free_bytes // per_batch, 0)
+        out.append(PlanWarning("shm-too-small", f"{s.num_workers} workers × prefetch {s.prefetch_factor} × "
+                               f"{per_batch / 1e6:,.0f} MB per batch = {plan.loader_inflight_bytes / 1e9:.1f} GB of "
+                               f"shared memory in flight per rank, /dev/shm has {plan.shm_free_bytes / 1e6:,.0f} MB "
+                               f"free (room for {fits} batch(es)); run docker with --shm-size or lower "
+                               "train.num_workers × train.prefetch_factor"))
+    if plan.steps.truncated_samples > 0:
+        out.append(PlanWarning("samples-truncated", f"{plan.steps.truncated_samples:,} train samples are longer than "
+                               f"total_seq_len {s.total_seq_len:,}; the collate cuts them"))
+    return out
+
+
+# ---------------------------------------------------------------- the reference run
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    unsharded_steps: int
+    unsharded_hours: float
+    tokens_per_s: float
+    sharded_hours: float
+    waste_factor: float
+
+
+def reference_run_hours(*, train_samples: int, epochs: int, steps_per_s: float, world_size: int,
+                        tokens_per_rank_step: float) -> ReferenceRun:
+    """The Kimi-K2.5 reference run: one sample per rank-step, every rank stepping through the
+    whole train split (35,446 × 5 = 177,230 steps at 1.4 steps/s ≈ 35 h), against the same
+    throughput spent on disjoint shards (5 epochs of the split once ≈ 8.8 h)."""
+    steps = train_samples * epochs
+    tps = tokens_per_s_from_steps(steps_per_s, world_size, tokens_per_rank_step)
+    sharded_s = epochs * train_samples * tokens_per_rank_step / tps
+    return ReferenceRun(steps, steps / steps_per_s / 3600, tps, sharded_s / 3600, (steps / steps_per_s) / sharded_s)
+
+
+# ---------------------------------------------------------------- measured throughputs
+
+
+MATCH_PARAMS = ("target.source", "target.path", "train.total_seq_len", "train.draft_layers", "train.ttt_steps",
+                "train.draft_vocab_size", "train.hidden_states_dtype", "train.sharding")
+
+
+def throughputs_from_mlflow(params, *, client=None, experiment: str = "draftlab", device_model: str | None = None,
+                            max_runs: int = 200) -> list[Throughput]:
+    """The latest finished train run per world size whose draft/packing params match `params`
+    (and `device_model` tag, if given): its whole-run tokens/s, source "mlflow run <id>"."""
+    from draftlab.params import flatten
+
+    if client is None:
+        import mlflow
+
+        from draftlab.tracking import tracking_uri
+
+        client = mlflow.MlflowClient(tracking_uri())
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    want = {k: str(v) for k, v in flatten(params).items() if k in MATCH_PARAMS}
+    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=max_runs,
+                              order_by=["attributes.start_time DESC"])
+    latest: dict[int, Throughput] = {}
+    for run in runs:
+        p, m, tags = run.data.params, run.data.metrics, run.data.tags
+        if any(p.get(k) != v for k, v in want.items()) or "world_size" not in p:
+            continue
+        if device_model and tags.get("device.model") != device_model:
+            continue
+        tps = m.get("perf/run_tokens_per_s") or m.get("perf/tokens_per_s")
+        gpus = int(p["world_size"])
+        if tps and gpus not in latest:
+            latest[gpus] = Throughput(gpus, float(tps), f"mlflow run {run.info.run_id}")
+    return [latest[g] for g in sorted(latest)]
+
+
+# ---------------------------------------------------------------- presentation
+
+
+def _hours(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds / 3600:,.1f} h"
+
+
+def _range(r: tuple[int, int]) -> str:
+    return f"{r[0]:,}" if r[0] == r[1] else f"{r[0]:,}–{r[1]:,}"
+
+
+def plan_table(plan: Plan):
+    """Rich renderables: the figures with their sources, the per-GPU-count table, warnings."""
+    from rich.console import Group
+    from rich.table import Table
+
+    s, st = plan.scenario, plan.steps
+    facts = Table(title="plan", show_header=False)
+    facts.add_row("dataset", f"{s.num_samples:,} samples, {s.num_tokens:,} tokens; train split {s.train_samples:,} "
+                  f"({s.train_ratio:g}), {s.train_tokens:,} tokens")
+    facts.add_row("hidden-state store", f"{plan.store_bytes:.3e} bytes = {plan.store_bytes / 2**40:.2f} TiB "
+                  f"(H = {s.hidden_size:,}, {s.dtype}; {plan.store_basis})")
+    facts.add_row("extraction", f"{_hours(plan.extraction_hours * 3600 if plan.extraction_hours else None)} "
+                  f"({plan.extraction_source})")
+    facts.add_row(f"steps per epoch at {s.world_size} rank(s)", f"{_range(st.steps_per_epoch)} (any packing: "
+                  f"{st.bounds_per_epoch[0]:,}–{st.bounds_per_epoch[1]:,})")
+    facts.add_row("total steps", f"{_range(st.total_steps)} over {s.epochs} epoch(s); central {st.central_total_steps:,}")
+    facts.add_row("steps basis", st.basis)
+    facts.add_row("loader shared memory per rank", f"{plan.loader_inflight_bytes / 1e9:.2f} GB "
+                  f"({s.num_workers} workers × prefetch {s.prefetch_factor})")
+    rows = Table(title=f"wall-clock for {s.epochs} epoch(s) of {st.trained_tokens_per_epoch:,} trained tokens")
+    for col in ("GPUs", "steps/epoch", "total steps", "tokens/s", "wall-clock", "GPU-hours", "throughput source"):
+        rows.add_column(col)
+    for r in plan.rows:
+        rows.add_row(str(r.gpus), _range(r.steps_per_epoch), _range(r.total_steps),
+                     "—" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", _hours(r.wall_clock_s),
+                     "—" if r.gpu_hours is None else f"{r.gpu_hours:,.1f}", r.throughput_source)
+    parts = [facts, rows] + [f"[yellow]warning[/] {w.code}: {w.message}" for w in plan.warnings]
+    return Group(*parts)
+
+
+def default_host_facts(store_dir: Path) -> dict:
+    """Free disk at the store and free /dev/shm on this host (for make_plan's keyword args)."""
+    return {"disk_free": disk_free_bytes(store_dir), "shm_bytes": shm_free_bytes()}
+
