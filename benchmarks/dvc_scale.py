@@ -76,8 +76,11 @@ def dvc_exe() -> str:
 
 
 def timed(cmd: list[str], cwd: Path) -> float:
+    # DVC keeps per-repo state under a site cache dir (by default /var/tmp/dvc, and `dvc init`
+    # writes there before any config exists): point it into the temp tree, removed at the end.
+    env = {**os.environ, "DVC_SITE_CACHE_DIR": str(cwd.parent / "dvc-site"), "DVC_NO_ANALYTICS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     dt = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{proc.stdout}{proc.stderr}")
@@ -88,12 +91,8 @@ def init_repo(root: Path, dvc: str, cache_type: str) -> None:
     root.mkdir(parents=True)
     timed(["git", "init", "-q"], root)
     timed([dvc, "init", "-q"], root)
-    # Written directly (three `dvc config` calls cost seconds). DVC's state and index go to a
-    # site cache dir, by default under /var/tmp: keep it inside the temp repo.
-    (root / ".dvc" / "config").write_text(
-        f'[core]\n    analytics = false\n    site_cache_dir = {root / ".dvc" / "site"}\n'
-        f'[cache]\n    type = "{cache_type}"\n'
-    )
+    # Written directly: three `dvc config` calls would cost seconds.
+    (root / ".dvc" / "config").write_text(f'[core]\n    analytics = false\n[cache]\n    type = "{cache_type}"\n')
 
 
 def generate_store(store_dir: Path, args, seed: int) -> dict:

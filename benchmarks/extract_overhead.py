@@ -23,10 +23,10 @@ sized by `--hidden-size`/`--num-layers`: the tiny default (H=64) does so little 
 token that any write looks expensive. `--target-dir models/target` uses a built target instead
 (`draftlab target` builds it). Nothing here passes or fails on timing.
 
-    python benchmarks/extract_overhead.py                  # H=1024, 7 layers: ~2 min on 2 cores
+    python benchmarks/extract_overhead.py                  # H=1024, 7 layers, 1 thread: ~2-3 min
     python benchmarks/extract_overhead.py --hidden-size 2048 --tokens 1024
     python benchmarks/extract_overhead.py --target-dir models/target --tokens 16384
-    python benchmarks/extract_overhead.py --json reports/extract_overhead.json
+    python benchmarks/extract_overhead.py --threads 0 --json reports/extract_overhead.json
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-tokens", type=int, default=768, help="extract.batch_tokens (padded tokens per forward)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="extract.dtype (stored hidden states)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (0 = torch's default). 1 by default: on a shared machine a "
+                    "descheduled OpenMP thread stalls every parallel region (10x swings seen on 2 cores); "
+                    "a faster multi-threaded forward makes writes weigh more, so try 0 on a dedicated host")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of P E C (E first in odd rounds)")
     ap.add_argument("--workdir", type=Path, default=None, help="where temp stores go (default: system temp)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -254,6 +258,8 @@ def main() -> None:
     from draftlab.stages.extract import plan_batches
     from draftlab.stages.target import load_target
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Console(highlight=False)
     work = Path(tempfile.mkdtemp(prefix="draftlab-extract-bench-", dir=args.workdir))
     try:

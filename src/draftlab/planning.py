@@ -18,6 +18,8 @@ far inside the range spanned by the length distributions. So counts run the samp
 (distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
 file without the package's heavy `__init__`: the same code, a few seconds in all.
 
+Why ~500 lines: bytes, steps, throughputs, warnings and their table are one cost model read
+top to bottom; the MLflow lookup and the table can move out when `draftlab plan` grows.
 Nothing here imports torch at module level. `plan_table` needs rich; `throughputs_from_mlflow`
 needs mlflow (both imported inside).
 """
@@ -29,6 +31,7 @@ import importlib.util
 import math
 import shutil
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -163,8 +166,10 @@ def _sampler_class():
 
 def epoch_steps(lengths, *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
     """Global optimizer steps of one epoch = rank 0's batches (every rank has as many)."""
-    sampler = _sampler_class()(batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size,
-                               rank=0, seed=seed)
+    with warnings.catch_warnings():  # its "samples longer than batch_max_length" note: the plan warns itself
+        warnings.simplefilter("ignore", UserWarning)
+        sampler = _sampler_class()(batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size,
+                                   rank=0, seed=seed)
     sampler.set_epoch(epoch)
     return len(sampler)
 
@@ -240,13 +245,12 @@ def plan_from_counts(num_samples: int, num_tokens: int, *, total_seq_len: int, w
                                                      seed=seed)] * epochs
     per_epoch = [v[0] for v in per.values()]
     central = per.get(f"lognormal σ={CENTRAL_SIGMA:g}", list(per.values())[len(per) // 2])
-    # mean-matched and capped at max_len, so only lengths above total_seq_len lose tokens
-    trained = num_tokens if max_len <= total_seq_len else None
-    if trained is None:
+    trained, truncated = num_tokens, 0  # capped at max_len: only lengths above total_seq_len lose tokens
+    if max_len > total_seq_len:  # estimated from the central distribution
         import numpy as np
 
         mid = synthesise_lengths(num_samples, num_tokens, sigma=CENTRAL_SIGMA, max_len=max_len, seed=seed)
-        trained = int(np.minimum(mid, total_seq_len).sum())
+        trained, truncated = int(np.minimum(mid, total_seq_len).sum()), int((mid > total_seq_len).sum())
     mean = num_tokens / num_samples
     return StepEstimate(
         world_size=world_size,
@@ -255,7 +259,7 @@ def plan_from_counts(num_samples: int, num_tokens: int, *, total_seq_len: int, w
         central_total_steps=sum(central),
         bounds_per_epoch=packing_bounds(trained, num_samples, total_seq_len, world_size),
         trained_tokens_per_epoch=trained,
-        truncated_samples=0 if max_len <= total_seq_len else -1,  # unknown from counts
+        truncated_samples=truncated,
         exact=False,
         basis=(f"assumed lengths: lognormal σ ∈ {{{', '.join(f'{s:g}' for s in sigmas)}}} with mean {mean:,.0f}, "
                f"capped at {max_len:,} tokens; speculators' sampler, epoch 0 × {epochs} "
@@ -504,7 +508,8 @@ def plan_table(plan: Plan):
                   f"({plan.extraction_source})")
     facts.add_row(f"steps per epoch at {s.world_size} rank(s)", f"{_range(st.steps_per_epoch)} (any packing: "
                   f"{st.bounds_per_epoch[0]:,}–{st.bounds_per_epoch[1]:,})")
-    facts.add_row("total steps", f"{_range(st.total_steps)} over {s.epochs} epoch(s); central {st.central_total_steps:,}")
+    facts.add_row("total steps",
+                  f"{_range(st.total_steps)} over {s.epochs} epoch(s); central {st.central_total_steps:,}")
     facts.add_row("steps basis", st.basis)
     facts.add_row("loader shared memory per rank", f"{plan.loader_inflight_bytes / 1e9:.2f} GB "
                   f"({s.num_workers} workers × prefetch {s.prefetch_factor})")

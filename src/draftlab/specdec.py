@@ -63,6 +63,7 @@ class Eagle3Proposer:
         self.norm_output = bool(draft.config.norm_output)
         self.sliding_layers = set(draft.sliding_window_indices)
         self.window = draft.sliding_window
+        self.device = draft.fc.weight.device
         self.reset()
 
     def reset(self) -> None:
@@ -77,7 +78,7 @@ class Eagle3Proposer:
         import torch
 
         d = self.draft
-        x = aux_T3H.to(d.fc.weight.dtype)
+        x = aux_T3H.to(self.device, d.fc.weight.dtype)
         if d.input_norm is not None:
             x = d.input_norm(x)
         if d.fc_norm is not None:
@@ -89,13 +90,13 @@ class Eagle3Proposer:
         """Additive mask of speculators' TTT training: step-0 keys causally, plus the diagonal."""
         import torch
 
-        q_step, q_j = torch.tensor(queries).T
-        kv_step, kv_j = torch.tensor(self.slots).T
+        q_step, q_j = torch.tensor(queries, device=self.device).T
+        kv_step, kv_j = torch.tensor(self.slots, device=self.device).T
         ok = (kv_step == 0) & (kv_j <= q_j[:, None])
         ok |= (kv_step > 0) & (kv_j == q_j[:, None]) & (kv_step <= q_step[:, None])
         if sliding and self.window is not None:
             ok &= kv_j > q_j[:, None] - self.window
-        return torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, float("-inf"))[None, None]
+        return torch.zeros(ok.shape, dtype=dtype, device=self.device).masked_fill(~ok, float("-inf"))[None, None]
 
     def _run(self, ids, hidden_TH, queries: list[tuple[int, int]]):
         """The draft's layers on new entries (appending their keys): (logits_TV, fed-back hidden_TH)."""
@@ -103,8 +104,8 @@ class Eagle3Proposer:
 
         d = self.draft
         self.slots += queries
-        h = torch.cat([d.embed_tokens(torch.tensor([ids])), hidden_TH[None]], dim=-1)
-        positions = torch.tensor([[j + step + 1 for step, j in queries]])
+        h = torch.cat([d.embed_tokens(torch.tensor([ids], device=self.device)), hidden_TH[None]], dim=-1)
+        positions = torch.tensor([[j + step + 1 for step, j in queries]], device=self.device)
         rope = d.rotary_emb(h, positions)
         masks = {s: self._mask(queries, s, h.dtype) for s in (False, True)}
         for i, layer in enumerate(d.layers):
@@ -123,7 +124,7 @@ class Eagle3Proposer:
         import torch
         from transformers import DynamicCache
 
-        assert len(next_ids) == aux_T3H.shape[0] > 0
+        assert len(next_ids) == aux_T3H.shape[0] > 0 and num_tokens > 0
         with torch.no_grad():
             self.next_ids += list(next_ids)
             self.fused.append(self._fuse(aux_T3H))
@@ -156,6 +157,8 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)  # emitted, a stop token included
     target_forwards: int = 0
     drafts: int = 0  # verification rounds (vLLM's num_drafts)
+    # what verification accepted, as vLLM counts it: a last round cut by a stop token or the budget
+    # still counts all its accepted drafts
     accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
@@ -180,7 +183,8 @@ def plain_greedy(target, prompt_ids, max_new_tokens: int, stop_ids=()) -> Genera
     result, cache, ids = GenerationResult(), DynamicCache(), list(prompt_ids)
     with torch.no_grad():
         while True:
-            out = target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = target(input_ids=torch.tensor([ids], device=target.device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
             result.target_forwards += 1
             ids = [int(out.logits[0, -1].argmax())]
             if _emit(result, ids, set(stop_ids), max_new_tokens):
@@ -203,7 +207,7 @@ def speculative_generate(target, draft, prompt_ids, *, num_speculative_tokens: i
     capture, cache = LayerCapture(target, layer_ids), DynamicCache()
 
     def verify(ids):
-        out = target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = target(input_ids=torch.tensor([ids], device=target.device), past_key_values=cache, use_cache=True)
         result.target_forwards += 1
         aux_T3H = torch.cat([capture.captured[f"aux{i}"][0] for i in range(len(layer_ids))], dim=-1)
         return out.logits[0].argmax(-1).tolist(), aux_T3H
@@ -246,9 +250,11 @@ class AcceptanceStats:
     plain_forwards: int = 0  # the target alone for the same tokens
     lossless_mismatches: int = 0  # prompts whose tokens differ from the target's own greedy output
 
+    def __post_init__(self):
+        self.accepted_per_pos = self.accepted_per_pos or [0] * self.num_speculative_tokens
+
     def add(self, spec: GenerationResult, plain: GenerationResult | None = None) -> None:
-        k = self.num_speculative_tokens
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * k, spec.accepted_per_pos, strict=True)]
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, spec.accepted_per_pos, strict=True)]
         self.prompts += 1
         self.drafts += spec.drafts
         self.emitted_tokens += len(spec.tokens)
@@ -308,7 +314,8 @@ def _main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--train-ratio", type=float, default=0.9)
     args = ap.parse_args()
-    target, tokenizer = load_target(parse_params({"target": {"source": "local", "path": args.target}}), Path(args.target))
+    params = parse_params({"target": {"source": "local", "path": args.target}})
+    target, tokenizer = load_target(params, Path(args.target))
     draft = load_draft(args.draft, Path(args.target).resolve())
     stats, stops = AcceptanceStats(args.k), stop_token_ids(tokenizer)
     for prompt in held_out_prompts(args.data, args.train_ratio, args.num_prompts):

@@ -14,15 +14,29 @@ from tests.conftest import tiny_params
 
 LAYER_IDS = [2, 4, 5]  # the tiny target's default aux layers (8 layers)
 WINDOW = 6
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only spins while the other core is busy (~10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    from draftlab.stages import target
+    """The tiny target of the target stage, random weights (its pre-training costs minutes here)."""
+    from draftlab.stages.target import _build_model, build_tokenizer
 
-    root = tmp_path_factory.mktemp("specdec")
-    params = tiny_params(target={"tiny": {"pretrain_steps": 30, "hidden_size": 32, "intermediate_size": 64}})
-    return target.run(params, out_dir=root / "target", report_path=root / "target.json").path
+    out = tmp_path_factory.mktemp("specdec") / "target"
+    tokenizer = build_tokenizer()
+    tiny = tiny_params(target={"tiny": {"hidden_size": 32, "intermediate_size": 64}}).target.tiny
+    _build_model(tiny, tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +46,9 @@ def target(target_dir):
     return AutoModelForCausalLM.from_pretrained(target_dir, attn_implementation="sdpa").eval()
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["norm_output", "prenorm_feedback"])
-def draft(request, target_dir):
+def _build_draft(target_dir, norm_output: bool):
+    """norm_output=True: speculators' defaults (Eagle 3.1: post-norm feedback, norm before residual);
+    False: classic EAGLE-3 (pre-norm feedback, residual before the norm)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
@@ -47,10 +62,32 @@ def draft(request, target_dir):
     t2d[kept] = True
     d2t = kept - torch.arange(len(kept))
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=len(kept), norm_before_residual=True,
-        norm_before_fc=True, norm_output=request.param, ttt_steps=3, verifier_name_or_path=str(target_dir),
+        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=len(kept), norm_before_residual=norm_output,
+        norm_before_fc=True, norm_output=norm_output, ttt_steps=3, verifier_name_or_path=str(target_dir),
         target_layer_ids=LAYER_IDS, draft_attn_impl="sdpa")  # fmt: skip
+    with torch.no_grad():  # trained norms are not all ones (with ones, RMSNorm∘RMSNorm hides a wrong feedback)
+        for name, param in model.named_parameters():
+            if "norm" in name and not name.startswith("verifier"):
+                param.mul_(1 + 0.5 * torch.randn(param.shape))
     return model.eval()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["eagle3.1", "eagle3"])
+def draft(request, target_dir):
+    return _build_draft(target_dir, request.param)
+
+
+@pytest.fixture(scope="module")
+def references(target, target_dir):
+    """(prompt, the target's own greedy output) for a few chat prompts."""
+    from transformers import AutoTokenizer
+
+    from draftlab import corpus
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tok.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+               for c in corpus.conversations(3, seed=123)]
+    return [(p, plain_greedy(target, p, MAX_NEW)) for p in prompts]
 
 
 def _training_logits(draft, aux_T3H, ids_T, ttt_steps):
@@ -117,41 +154,66 @@ class OracleProposer:
         return type("P", (), {"token_ids": truth})()
 
 
-def _prompts(target_dir, n):
-    from transformers import AutoTokenizer
-
-    from draftlab import corpus
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    convs = corpus.conversations(n, seed=123)
-    return [tok.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
-            for c in convs]
-
-
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculative_output_is_the_targets_greedy_output(target, target_dir, draft, k):
+def test_speculative_output_is_the_targets_greedy_output(target, target_dir, references, k):
+    draft = _build_draft(target_dir, norm_output=True)
     stats = AcceptanceStats(k)
-    for prompt in _prompts(target_dir, 3):
-        plain = plain_greedy(target, prompt, 20, stop_ids={target.config.eos_token_id})
-        spec = speculative_generate(target, draft, prompt, num_speculative_tokens=k, max_new_tokens=20,
-                                    layer_ids=LAYER_IDS, stop_ids={target.config.eos_token_id})
-        assert spec.tokens == plain.tokens
-        oracle = speculative_generate(target, OracleProposer(len(prompt), plain.tokens), prompt,
-                                      num_speculative_tokens=k, max_new_tokens=20, layer_ids=LAYER_IDS,
-                                      stop_ids={target.config.eos_token_id})
-        assert oracle.tokens == plain.tokens
-        stats.add(oracle, plain)
+    for prompt, plain in references:
+        for proposer in (draft, OracleProposer(len(prompt), plain.tokens)):
+            spec = speculative_generate(target, proposer, prompt, num_speculative_tokens=k,
+                                        max_new_tokens=MAX_NEW, layer_ids=LAYER_IDS)
+            assert spec.tokens == plain.tokens
+        stats.add(spec, plain)
     assert stats.accepted > 0 and stats.lossless_mismatches == 0
 
 
-def test_speculation_saves_target_forwards_when_drafts_are_accepted(target, target_dir):
+def test_draft_sees_the_targets_states_of_the_verified_prefix(target, target_dir, references):
+    """Every round's proposal equals a from-scratch one over the whole verified sequence, fed the
+    target's aux states from one plain forward: the pairing g_j ↔ x_{j+1} survives rejections."""
+    from draftlab.stages.extract import LayerCapture
+
+    draft = _build_draft(target_dir, norm_output=True)
+    prompt, plain = references[1]
+    rounds = []
+
+    class Recording(Eagle3Proposer):
+        def propose(self, next_ids, aux_T3H, k):
+            out = super().propose(next_ids, aux_T3H, k)
+            rounds.append((len(self.next_ids), out.token_ids))
+            return out
+
+    spec = speculative_generate(target, Recording(draft), prompt, num_speculative_tokens=3,
+                                max_new_tokens=MAX_NEW, layer_ids=LAYER_IDS)
+    seq = prompt + spec.tokens
+    capture = LayerCapture(target, LAYER_IDS)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([seq]))
+    capture.close()
+    aux_T3H = capture.stacked()[0, :, :3].flatten(1)  # the store's layout: 3 aux layers, concatenated
+    for n, drafted in rounds:
+        expected = Eagle3Proposer(draft, use_cache=False).propose(seq[1 : n + 1], aux_T3H[:n], 3)
+        assert drafted == expected.token_ids
+    assert len(rounds) == spec.drafts > 5
+
+
+def test_stop_token_ends_both_the_same_way(target, references):
+    prompt, plain = references[0]
+    stop = plain.tokens[5]
+    first = plain.tokens.index(stop)
+    short = plain_greedy(target, prompt, MAX_NEW, stop_ids={stop})
+    assert short.tokens == plain.tokens[: first + 1]
+    spec = speculative_generate(target, OracleProposer(len(prompt), plain.tokens), prompt,
+                                num_speculative_tokens=3, max_new_tokens=MAX_NEW, layer_ids=LAYER_IDS,
+                                stop_ids={stop})
+    assert spec.tokens == short.tokens
+
+
+def test_speculation_saves_target_forwards_when_drafts_are_accepted(target, references):
     k = 3
-    for prompt in _prompts(target_dir, 2):
-        plain = plain_greedy(target, prompt, 30)
-        assert plain.target_forwards == len(plain.tokens) == 30
+    for prompt, plain in references:
+        assert plain.target_forwards == len(plain.tokens) == MAX_NEW
         spec = speculative_generate(target, OracleProposer(len(prompt), plain.tokens), prompt,
-                                    num_speculative_tokens=k, max_new_tokens=30, layer_ids=LAYER_IDS)
-        assert spec.tokens == plain.tokens
+                                    num_speculative_tokens=k, max_new_tokens=MAX_NEW, layer_ids=LAYER_IDS)
         assert spec.target_forwards == 1 + spec.drafts  # prefill, then one verification per round
         # each round emits its accepted drafts + 1; only the last can be cut by the budget
         assert len(spec.tokens) <= 1 + spec.drafts + spec.accepted < len(spec.tokens) + k

@@ -91,35 +91,18 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) ->
     return out
 
 
-def draft_forward(draft, batch, steps: int):
-    """speculators' own teacher-forced forward: its metrics, and each TTT step's logits
-    (captured at the draft's lm_head)."""
+def draft_forward(draft, batch, steps: int, loss_implementation: str = "eager"):
+    """speculators' own teacher-forced forward with its validation kwargs: its metrics, and
+    each TTT step's logits (captured at the draft's lm_head)."""
+    kwargs = type(draft).get_trainer_kwargs(loss_fn="kl_div", loss_implementation=loss_implementation,
+                                            ttt_steps=steps, ttt_step_loss_decay=1.0)[1]
     captured = []
     handle = draft.lm_head.register_forward_hook(lambda m, a, out: captured.append(out))
     try:
-        _, _, metrics = draft(**batch, ttt_steps=steps) if _takes_ttt(draft) else draft(**batch)
+        _, _, metrics = draft(**{k: v for k, v in batch.items() if k != "error_records"}, **kwargs)
     finally:
         handle.remove()
     return captured[:steps], metrics
-
-
-def _takes_ttt(draft) -> bool:
-    import inspect
-
-    return "ttt_steps" in inspect.signature(draft.forward).parameters
-
-
-def held_out_prompts(params: Params, data_dir: Path, tokenizer, n: int) -> list[list[int]]:
-    """Val-split rows cut before their first assistant token: the prompt a server would get."""
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(data_dir)).with_format(None)
-    start = int(len(ds) * params.data.train_ratio)
-    prompts = []
-    for row in ds.select(range(start, min(len(ds), start + n))):
-        first = row["loss_mask"].index(1) if 1 in row["loss_mask"] else len(row["input_ids"])
-        prompts.append(row["input_ids"][:first])
-    return prompts
 
 
 def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]], layer_ids: list[int]) -> dict:
@@ -129,16 +112,24 @@ def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]],
     k = params.evaluate.num_speculative_tokens or params.train.ttt_steps
     stops = stop_token_ids(tokenizer)
     stats = specdec.AcceptanceStats(num_speculative_tokens=k)
-    lossless = True
     for ids in prompts:
         spec = specdec.speculative_generate(target, draft, ids, num_speculative_tokens=k,
                                             max_new_tokens=params.evaluate.max_new_tokens,
                                             layer_ids=layer_ids, stop_ids=stops)
         plain = specdec.plain_greedy(target, ids, max_new_tokens=params.evaluate.max_new_tokens, stop_ids=stops)
-        lossless &= spec.tokens == plain.tokens
         stats.add(spec, plain)
-    out = {f"eval/{k_}": v for k_, v in stats.summary().items()}
-    out["eval/lossless"] = float(lossless)
+    out = {
+        "eval/measured_acc_len": stats.mean_acceptance_length,
+        "eval/num_speculative_tokens": k,
+        "eval/drafts": stats.drafts,
+        "eval/target_forwards": stats.target_forwards,
+        "eval/plain_forwards": stats.plain_forwards,
+        "eval/forward_passes_saved_frac": stats.forward_passes_saved / max(stats.plain_forwards, 1),
+        "eval/lossless": float(stats.lossless_mismatches == 0),
+        "eval/prompts": stats.prompts,
+    }
+    for pos, rate in enumerate(stats.acceptance_per_position):
+        out[f"eval/accept_rate_{pos}"] = rate
     return out
 
 
@@ -211,7 +202,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     target, tokenizer = load_target(params, target_dir)
     draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir))
     metrics = simulated(params, draft, target, data_dir, store_dir)
-    prompts = held_out_prompts(params, data_dir, tokenizer, params.evaluate.num_prompts)
+    from draftlab.specdec import held_out_prompts
+
+    prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
     metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]

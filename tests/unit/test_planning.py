@@ -1,0 +1,202 @@
+"""draftlab.planning: store bytes, packed steps from the trainer's own sampler, wall-clock per GPU
+count, warnings, and the Kimi-K2.5 reference scenario pinned."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from draftlab import planning as pl
+
+KIMI = dict(num_samples=37_312, num_tokens=87_800_000, hidden_size=7168, dtype="bfloat16", train_ratio=0.95,
+            total_seq_len=4096, epochs=5, world_size=4, seed=0, lr_scaling="none", lr_base_gpus=1,
+            num_workers=12, prefetch_factor=4)
+REF_STEPS_PER_S = 1.4  # the reference run's measured rate, one sample per rank-step
+REF_TOKENS_PER_RANK_STEP = 87_800_000 / 37_312  # ≈ 2,353: its mean sample length
+
+
+@pytest.fixture(scope="module")
+def kimi_plan():
+    ref = pl.reference_run_hours(train_samples=35_446, epochs=5, steps_per_s=REF_STEPS_PER_S, world_size=4,
+                                 tokens_per_rank_step=REF_TOKENS_PER_RANK_STEP)
+    plan = pl.make_plan(pl.Scenario(**KIMI), gpu_counts=(4,),
+                        throughputs=[pl.Throughput(4, ref.tokens_per_s, "stated")],
+                        shm_bytes=pl.CONTAINER_DEFAULT_SHM_BYTES, disk_free=2 * 2**40,
+                        observed_steps_per_epoch=35_446)
+    return plan, ref
+
+
+def test_kimi_k2_5_reference_scenario(kimi_plan):
+    plan, ref = kimi_plan
+    s = plan.scenario
+    # the store: 57,352 B per token (4 × 7168 × 2 + an int64 id) + one header per file
+    assert plan.store_bytes == pytest.approx(5.03e12, rel=3e-3)
+    assert plan.store_bytes / 2**40 == pytest.approx(4.58, abs=0.01)  # the reference run's "4.6 TB"
+    assert (s.train_samples, s.num_samples - s.train_samples) == (35_446, 1_866)
+
+    # steps from speculators' packing sampler, over a stated range of length distributions
+    st = plan.steps
+    lo, hi = st.bounds_per_epoch
+    assert (lo, hi) == (5_091, 8_861)  # ceil(83.4 M / (4 × 4096)) .. floor(35,446 / 4): any packing
+    assert lo < st.steps_per_epoch[0] < st.steps_per_epoch[1] < hi
+    assert st.steps_per_epoch == (pytest.approx(5_804, rel=0.01), pytest.approx(6_447, rel=0.01))
+    assert st.total_steps == (5 * st.steps_per_epoch[0], 5 * st.steps_per_epoch[1])
+    assert "lognormal" in st.basis and "2,353" in st.basis and not st.exact
+    assert st.total_steps[1] < 177_230 / 5  # a fifth of the reference run's per-rank "batches"
+
+    # wall-clock: 5 sharded epochs at the reference throughput ≈ 8.8 h, a quarter of its 35 h
+    assert ref.tokens_per_s == pytest.approx(13_200, rel=0.005)
+    (row,) = plan.rows
+    assert row.gpus == 4 and row.throughput_source == "stated"
+    assert row.wall_clock_s / 3600 == pytest.approx(8.8, abs=0.05)
+    assert row.gpu_hours == pytest.approx(4 * 8.8, abs=0.2)
+    assert ref.unsharded_steps == 177_230
+    assert ref.unsharded_hours == pytest.approx(35.2, abs=0.05)
+    assert ref.sharded_hours == pytest.approx(row.wall_clock_s / 3600, rel=1e-3)
+    assert ref.waste_factor == pytest.approx(4.0)
+
+    # warnings: ranks repeating data, lr not scaled, 2 TiB disk, docker's 64 MB /dev/shm
+    codes = {w.code for w in plan.warnings}
+    assert codes == {"not-sharded", "lr-not-scaled", "disk-too-small", "shm-too-small"}
+    shm = next(w for w in plan.warnings if w.code == "shm-too-small")
+    assert "12 workers × prefetch 4" in shm.message
+    # at speculators' default 8,192-token rows: ~470 MB per batch, ~22.5 GB in flight per rank
+    assert pl.batch_bytes(8192, 7168, "bfloat16") == pytest.approx(470e6, rel=0.002)
+    assert pl.loader_inflight_bytes(8192, 7168, "bfloat16", 12, 4) == pytest.approx(22.5e9, rel=0.005)
+    assert pl.loader_inflight_bytes(8192, 7168, "bfloat16", 12, 4) > 300 * pl.CONTAINER_DEFAULT_SHM_BYTES
+
+
+def test_a_sound_plan_has_no_warnings(kimi_plan):
+    plan, _ = kimi_plan
+    fixed = dataclasses.replace(plan, scenario=dataclasses.replace(plan.scenario, lr_scaling="sqrt", num_workers=0),
+                                loader_inflight_bytes=0, disk_free_bytes=8 * 2**40, shm_free_bytes=16 * 2**30)
+    assert pl.check_plan(fixed, observed_steps_per_epoch=plan.steps.steps_per_epoch[1]) == []
+    assert [w.code for w in pl.check_plan(fixed, sharded=False)] == ["not-sharded"]
+
+
+def test_throughput_scaling_and_sources():
+    pts = [pl.Throughput(4, 13_200.0, "stated"), pl.Throughput(1, 3_000.0, "mlflow run abc")]
+    assert pl.throughput_at(pts, 4).source == "stated"
+    eight = pl.throughput_at(pts, 8)
+    assert eight.tokens_per_s == pytest.approx(26_400) and eight.source.startswith("stated at 4 GPU(s)")
+    two = pl.throughput_at(pts, 2, scaling_efficiency=0.9)  # equidistant: the larger measurement wins
+    assert two.tokens_per_s == pytest.approx(13_200 / 2 / 0.9) and "0.9 per doubling" in two.source
+    assert pl.throughput_at([], 4) is None
+    assert pl.tokens_per_s_from_steps(1.4, 4, 2_353) == pytest.approx(13_176.8)
+
+
+def test_store_bytes_is_payload_plus_headers():
+    assert pl.store_bytes(10, 2, 64, "bfloat16") == 10 * (4 * 64 * 2 + 8) + 2 * pl.SAFETENSORS_HEADER_BYTES
+    assert pl.store_bytes(10, 2, 64, "float32") > pl.store_bytes(10, 2, 64, "bfloat16")
+
+
+def test_header_constant_matches_a_real_file():
+    import torch
+    from safetensors.torch import save
+
+    blob = save({"hidden_states": torch.zeros(3000, 4, 16, dtype=torch.bfloat16),
+                 "token_ids": torch.zeros(3000, dtype=torch.long)})
+    # the JSON header grows with the digits of shapes and offsets: 168 B at Kimi sizes (1e8-byte files)
+    assert 0 <= pl.store_bytes(3000, 1, 16, "bfloat16") - len(blob) <= 16
+
+
+def test_synthesised_lengths_keep_the_stated_counts():
+    for sigma in pl.LENGTH_SIGMAS:
+        x = pl.synthesise_lengths(1000, 1_500_000, sigma=sigma, max_len=4096, seed=3)
+        assert len(x) == 1000 and int(x.sum()) == 1_500_000 and x.min() >= 1 and x.max() <= 4096
+    with pytest.raises(ValueError):
+        pl.synthesise_lengths(10, 10 * 4097, sigma=0.5, max_len=4096)
+
+
+def test_rank0_step_count_is_the_accounting_count():
+    """The counts shortcut (rank 0, standalone sampler file) agrees with draftlab.accounting,
+    which builds every rank's sampler through the speculators package."""
+    import numpy as np
+
+    from draftlab import accounting as acc
+
+    lengths = [int(x) for x in np.random.default_rng(1).integers(20, 700, 300)]
+    standalone = pl._standalone_sampler_module().MultipackDistributedBatchSamplerV2
+    for w in (1, 2, 4):
+        a = acc.plan_epochs(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
+        for e in a.epochs:
+            assert pl.epoch_steps(lengths, total_seq_len=1024, world_size=w, seed=5, epoch=e.epoch) == e.steps
+            s = standalone(batch_max_length=1024, lengths=lengths, num_replicas=w, rank=w - 1, seed=5)
+            s.set_epoch(e.epoch)
+            assert len(s) == e.steps
+        exact = pl.plan_from_lengths(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
+        assert exact.exact and exact.total_steps[0] == a.total_steps
+
+
+def test_plan_from_dataset_lengths_is_exact_and_warns_on_truncation():
+    lengths = [100] * 50 + [1500] * 10  # 60 rows, train split 54: 4 of its rows are longer than 1024
+    s = pl.Scenario(num_samples=60, num_tokens=sum(lengths), hidden_size=64, train_ratio=0.9, total_seq_len=1024,
+                    epochs=2, world_size=2, lr_scaling="linear", num_workers=2, prefetch_factor=2)
+    plan = pl.make_plan(s, lengths=lengths, gpu_counts=(1, 2), throughputs=[pl.Throughput(1, 1000.0, "calibration")])
+    assert plan.steps.exact and plan.steps.truncated_samples == 4  # the last 6 rows are validation
+    assert plan.steps.trained_tokens_per_epoch == 50 * 100 + 4 * 1024
+    assert plan.store_bytes == pl.store_bytes(sum(lengths), 60, 64)
+    assert [w.code for w in plan.warnings] == ["samples-truncated"]
+    one, two = plan.rows
+    assert one.throughput_source == "calibration" and two.wall_clock_s == pytest.approx(one.wall_clock_s / 2)
+    assert plan.to_json()["train_samples"] == 54
+
+
+def test_batch_bytes_matches_speculators_collate():
+    """What one packed row of speculators' CollateFn holds, tensor by tensor."""
+    import torch
+    from speculators.train.data import CollateFn
+
+    h, total = 16, 64
+
+    def sample(n):
+        return {"hidden_states": torch.zeros(n, 3 * h, dtype=torch.bfloat16),
+                "input_ids": torch.zeros(n, dtype=torch.long),
+                "verifier_last_hidden_states": torch.zeros(n, h, dtype=torch.bfloat16),
+                "loss_mask": torch.ones(n, dtype=torch.long), "lengths": torch.tensor([n]),
+                "position_ids": torch.arange(n)}
+
+    batch = CollateFn(total, h)([sample(20), sample(30)])
+    held = sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+    assert held == pl.batch_bytes(total, h, "bfloat16")
+
+
+def test_throughputs_from_mlflow_takes_the_latest_matching_run_per_world_size():
+    from tests.conftest import tiny_params
+
+    params = tiny_params()
+    from draftlab.params import flatten
+
+    base = {k: str(v) for k, v in flatten(params).items() if k in pl.MATCH_PARAMS}
+
+    def run(run_id, world, tps, **changed):
+        return SimpleNamespace(info=SimpleNamespace(run_id=run_id),
+                               data=SimpleNamespace(params={**base, "world_size": str(world), **changed},
+                                                    metrics={"perf/run_tokens_per_s": tps}, tags={}))
+
+    runs = [run("new4", 4, 900.0), run("old4", 4, 500.0), run("other", 2, 1.0, **{"train.total_seq_len": "99"}),
+            run("two", 2, 450.0)]
+    client = SimpleNamespace(get_experiment_by_name=lambda name: SimpleNamespace(experiment_id="1"),
+                             search_runs=lambda *a, **k: runs)
+    got = pl.throughputs_from_mlflow(params, client=client)
+    assert [(t.gpus, t.tokens_per_s, t.source) for t in got] == [(2, 450.0, "mlflow run two"),
+                                                                  (4, 900.0, "mlflow run new4")]
+
+
+def test_plan_json_is_serialisable(kimi_plan):
+    import json
+
+    out = json.loads(json.dumps(kimi_plan[0].to_json()))
+    assert out["steps"]["bounds_per_epoch"] == [5_091, 8_861] and out["rows"][0]["throughput_source"] == "stated"
+    assert {w["code"] for w in out["warnings"]} >= {"shm-too-small", "lr-not-scaled"}
+
+
+def test_plan_table_renders(kimi_plan):
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(pl.plan_table(kimi_plan[0]))
+    text = console.export_text()
+    assert "4.58 TiB" in text and "8.8 h" in text and "shm-too-small" in text

@@ -1,0 +1,173 @@
+"""draftlab.telemetry: the bottleneck classifier on synthetic windows (every label), windows
+built from per-rank step records, the sampler on this CPU host, and the FLOPs arithmetic."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from draftlab import telemetry as tm
+from draftlab.tracking import RecordingTracker
+
+# One window per label, with the figures an operator would see.
+DISK = tm.TelemetryWindow(data_wait_frac=0.45, step_ms=900, disk_read_mb_s=2900, disk_busy_pct=97,
+                          disk_ceiling_mb_s=3000, cpu_busy_pct=20, cpu_iowait_pct=30, comm_frac=0.02)
+DISK_LATENCY = tm.TelemetryWindow(data_wait_frac=0.4, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
+                                  cpu_busy_pct=7, cpu_iowait_pct=25)  # the reference run's disk, loaders in iowait
+CPU = tm.TelemetryWindow(data_wait_frac=0.35, step_ms=800, disk_read_mb_s=400, disk_busy_pct=15,
+                         cpu_busy_pct=97, cpu_iowait_pct=0.5, comm_frac=0.03)
+COMPUTE_UNSATURATED = tm.TelemetryWindow(data_wait_frac=0.02, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
+                                         cpu_busy_pct=7, cpu_iowait_pct=0.3, rank_busy_ms=[200, 205, 198, 202],
+                                         comm_frac=0.03, gpu_util_pct=100, gpu_power_frac=250 / 600, mfu=0.08)
+COMPUTE_SATURATED = tm.TelemetryWindow(data_wait_frac=0.01, step_ms=500, cpu_busy_pct=30, comm_frac=0.05,
+                                       gpu_util_pct=99, gpu_power_frac=0.95, mfu=0.45)
+COMM = tm.TelemetryWindow(data_wait_frac=0.03, step_ms=1000, cpu_busy_pct=20, rank_busy_ms=[300, 305, 302, 298],
+                          comm_frac=0.38, gpu_util_pct=60, gpu_power_frac=0.5)
+STRAGGLER = tm.TelemetryWindow(data_wait_frac=0.03, step_ms=700, cpu_busy_pct=20, rank_busy_ms=[300, 298, 302, 430],
+                               comm_frac=0.04, gpu_util_pct=80)
+
+
+@pytest.mark.parametrize("window, label", [
+    (DISK, "data-bound (disk)"), (DISK_LATENCY, "data-bound (disk)"), (CPU, "data-bound (CPU)"),
+    (COMPUTE_UNSATURATED, "compute-bound"), (COMPUTE_SATURATED, "compute-bound"), (COMM, "communication-bound"),
+    (STRAGGLER, "straggler-bound"),
+])
+def test_classify_names_every_bottleneck(window, label):
+    v = tm.classify(window)
+    assert v.label == label and v.label in tm.LABELS
+    assert v.remedy and v.evidence["data_wait"] != "n/a"
+
+
+def test_verdicts_carry_their_deciding_figures():
+    assert tm.classify(DISK).evidence["disk_busy"] == "97 %"
+    assert "iowait" in tm.classify(DISK_LATENCY).evidence["why"]
+    assert tm.classify(CPU).evidence["cpu_busy"] == "97 %"
+    s = tm.classify(STRAGGLER)
+    assert s.evidence["slowest_rank"] == 3 and s.evidence["max_over_median"] == pytest.approx(1.43, abs=0.01)
+    assert "rank 3" in s.remedy
+    # "100 % util at 42 % power" reads as busy, not saturated
+    busy = tm.classify(COMPUTE_UNSATURATED)
+    assert busy.evidence["gpu_util"] == "100 %" and busy.evidence["power"] == "42 % of limit"
+    assert busy.evidence["mfu"] == "8.0 %" and "not" not in busy.label and "far from its peak" in busy.remedy
+    assert "near their peak" in tm.classify(COMPUTE_SATURATED).remedy
+
+
+def test_the_largest_loss_decides_and_missing_figures_are_named():
+    both = tm.TelemetryWindow(data_wait_frac=0.2, step_ms=1000, cpu_busy_pct=95, comm_frac=0.4)
+    assert tm.classify(both).label == "communication-bound"
+    bare = tm.classify(tm.TelemetryWindow())
+    assert bare.label == "compute-bound" and "data_wait_frac" in bare.evidence["missing"]
+
+
+def test_a_mixed_run_gets_per_window_labels_and_the_longest_label():
+    windows = []
+    for i, w in enumerate([DISK, DISK, CPU, COMPUTE_UNSATURATED, DISK]):
+        windows.append(tm.TelemetryWindow(**{**w.__dict__, "start_s": 60.0 * i, "end_s": 60.0 * (i + 1)}))
+    run = tm.verdict_for_run(windows)
+    assert [label for _, _, label in run.windows] == ["data-bound (disk)", "data-bound (disk)", "data-bound (CPU)",
+                                                     "compute-bound", "data-bound (disk)"]
+    assert run.overall.label == "data-bound (disk)"
+    assert run.shares == {"data-bound (disk)": 0.6, "data-bound (CPU)": 0.2, "compute-bound": 0.2}
+    assert json.loads(json.dumps(run.to_json()))["overall"]["label"] == "data-bound (disk)"
+
+
+def _records(t0, rank, busy_fwd_ms, n=10, bwd_ms=420.0, step_ms=800.0, fetch_ms=20.0):
+    return [{"t": t0 + i, "rank": rank, "step": i, "fetch_ms": fetch_ms, "fwd_ms": busy_fwd_ms, "bwd_ms": bwd_ms,
+             "opt_ms": 30.0, "step_ms": step_ms, "tokens_per_s": 5000.0} for i in range(n)]
+
+
+def test_windows_from_rank_records_find_the_straggler_and_the_communication():
+    t0 = 1_000.0
+    steps = _records(t0, 0, 180) + _records(t0, 1, 182) + _records(t0, 2, 300, bwd_ms=610)
+    (w,) = tm.build_windows([], steps, window_s=60, flops_per_token=1e9, peak=1e14)
+    assert w.rank_busy_ms == [200, 202, 320] and w.data_wait_frac == pytest.approx(20 / 800)
+    # the slowest rank's backward beyond 2 × forward: (610 - 600) / 800
+    assert w.comm_frac == pytest.approx(10 / 800)
+    assert w.mfu == pytest.approx(1e9 * 5000 / 1e14)
+    assert tm.classify(w).label == "straggler-bound"
+    # equal ranks whose backward waits: communication
+    steps = [r for rank in range(3) for r in _records(t0, rank, 150, bwd_ms=600)]
+    (w,) = tm.build_windows([], steps, window_s=60)
+    assert w.comm_frac == pytest.approx(300 / 800) and tm.classify(w).label == "communication-bound"
+
+
+def test_sampler_logs_host_metrics_mlflow_lacks(tmp_path):
+    tracker = RecordingTracker()
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(80_000_000); time.sleep(3)"])
+    try:
+        time.sleep(0.3)
+        with tm.TelemetrySampler(tmp_path, tracker, interval_s=0.1) as sampler:
+            deadline = time.time() + 1.0
+            while time.time() < deadline:
+                sum(range(10_000))
+    finally:
+        child.kill()
+        child.wait()
+    assert len(sampler.samples) >= 3 and len(tracker.metrics) == len(sampler.samples)
+    names = set().union(*(m for _, m in tracker.metrics))
+    assert {"system/cpu_idle_pct", "system/cpu_iowait_pct", "system/process_rss_mb",
+            "system/process_cpu_cores"} <= names
+    assert all(n.startswith("system/") for n in names)
+    assert not names & {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"}
+    if sampler.device is not None:  # a block device holds tmp_path (not on overlayfs)
+        assert {"system/disk_read_mb_s", "system/disk_busy_pct"} <= names
+    assert [s for s, _ in tracker.metrics] == list(range(len(tracker.metrics)))
+    rss = [m["system/process_rss_mb"] for _, m in tracker.metrics]
+    assert max(rss) > 80  # the child's 80 MB count: RSS is the whole process tree
+    s = sampler.samples[-1]
+    assert 0 <= s.cpu_busy_pct <= 100 and abs(s.cpu_busy_pct + s.cpu_idle_pct + s.cpu_iowait_pct - 100) < 1e-6
+
+
+def test_step_profile_recorder_and_conclude(tmp_path):
+    rec = tm.StepProfileRecorder(tmp_path, rank=1)
+    logger = logging.getLogger("draftlab.test.metrics")
+    logger.addHandler(rec)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info({"train": {"loss": 1.0}, "profile": {"fetch_ms": 400.0, "fwd_ms": 100.0, "bwd_ms": 200.0,
+                                                          "opt_ms": 10.0, "step_ms": 720.0, "fetch_frac": 0.55}},
+                    extra={"step": 7})
+        logger.info({"val": {"loss_epoch": 1.0}})  # no profile: nothing written
+    finally:
+        logger.removeHandler(rec)
+        rec.close()
+    (r,) = tm.read_step_records(tmp_path)
+    assert r["rank"] == 1 and r["step"] == 7 and r["fetch_frac"] == 0.55
+    tracker = RecordingTracker()
+    verdict = tm.conclude(None, tmp_path, tracker)
+    assert tracker.tags["draftlab.bottleneck"] == verdict.overall.label == "data-bound (CPU)"
+    assert tracker.artifacts[0][0].name == "bottleneck.json"
+    saved = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert saved["overall"]["label"] == "data-bound (CPU)" and saved["thresholds"]["STRAGGLER_RATIO"] == 1.2
+
+
+def test_mfu_and_peaks():
+    assert tm.mfu(1e9, 1e4, 1e14) == pytest.approx(0.1)
+    assert tm.mfu(1e9, 4e4, 1e14, num_devices=4) == pytest.approx(0.1)
+    assert tm.peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
+    assert tm.peak_flops("NVIDIA H200")[0] == 989.4e12
+    assert tm.peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert tm.peak_flops("NVIDIA RTX PRO 6000 Blackwell Server Edition")[0] == 503.8e12
+    assert tm.peak_flops("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition") is None
+    assert tm.peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert tm.peak_flops("NVIDIA B200")[0] == 2.25e15
+    assert tm.peak_flops("Some CPU") is None and tm.peak_flops("NVIDIA H100", "float32") is None
+
+
+def test_draft_flops_per_token():
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 1, "draft_vocab_size": 100}
+    h, d_attn, d_kv = 64, 64, 32
+    layer = 2 * h * (d_attn + 2 * d_kv) + d_attn * h + 3 * h * 128  # q/k/v read 2H in the first layer
+    expected = 4 * 3 * h * h + 3 * 6 * (layer + h * 100) + 2 * h * 100
+    assert tm.draft_flops_per_token(cfg, ttt_steps=3) == expected
+    with_attn = tm.draft_flops_per_token(cfg, ttt_steps=3, mean_context=500)
+    assert with_attn - expected == 12 * d_attn * (500 + 501 + 502)
+    nested = {"transformer_layer_config": {**cfg, "vocab_size": 1000}, "draft_vocab_size": 100}
+    assert tm.draft_flops_per_token(nested, ttt_steps=3) == expected
+    assert tm.mean_causal_context([3, 1]) == pytest.approx((6 + 1) / 4)
