@@ -88,8 +88,13 @@ def extract(
     """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
     p = _load(params)
     from draftlab.stages import extract as stage
+    from draftlab.tracking import stage_run
 
-    _guard(lambda: stage.run(p, target_dir=target, data_dir=data, out_dir=out))
+    def go():
+        with stage_run("extract") as tracker:
+            return stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker)
+
+    _guard(go)
 
 
 @app.command()
@@ -146,6 +151,70 @@ def export(
 
     _guard(lambda: stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
                              tracker=MlflowTracker(run_id_of(train_dir))))
+
+
+@app.command()
+def plan(
+    params: ParamsOpt = Path("params.yaml"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset (exact per-sample lengths).")] = Path("data/prepared"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder (disk checks, hidden size).")] = Path("data/hidden_states"),
+    gpus: Annotated[str, typer.Option(help="GPU counts to plan for, comma-separated.")] = "1,2,4,8",
+    samples: Annotated[int | None, typer.Option(help="Stated sample count (instead of the dataset).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Stated token count (with --samples).")] = None,
+    hidden_size: Annotated[int | None, typer.Option(help="Target hidden size (default: manifest or target).")] = None,
+    tokens_per_s: Annotated[float | None, typer.Option(help="Stated training tokens/s at --at-gpus GPUs.")] = None,
+    at_gpus: Annotated[int, typer.Option(help="GPU count of --tokens-per-s.")] = 1,
+    extract_tokens_per_s: Annotated[float | None, typer.Option(help="Stated extraction tokens/s.")] = None,
+    shm_mb: Annotated[float | None, typer.Option(help="Shared memory available (default: /dev/shm here).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Predict store size, extraction hours, steps, wall-clock and GPU-hours before anything runs."""
+    import json as _json
+
+    p = _load(params)
+    from draftlab import planning as pl
+    from draftlab.console import console
+
+    try:
+        counts = [int(x) for x in gpus.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--gpus: expected comma-separated integers, got {gpus!r}")
+    lengths = None
+    if samples is None or tokens is None:
+        if not (data / "dataset_info.json").exists() and not list(data.glob("*.arrow")):
+            _fail(f"{data}: no prepared dataset; run `dvc repro prepare` or pass --samples N --tokens N")
+        from datasets import load_from_disk
+
+        lengths = list(load_from_disk(str(data)).with_format(None)["seq_len"])
+        samples, tokens = len(lengths), int(sum(lengths))
+    if hidden_size is None:
+        manifest = store / "manifest.json"
+        if manifest.exists():
+            hidden_size = _json.loads(manifest.read_text())["target"]["hidden_size"]
+        elif p.target.source == "tiny":
+            hidden_size = p.target.tiny.hidden_size
+        else:
+            _fail("--hidden-size: needed for a real target until its store exists")
+    scenario = pl.Scenario.from_params(p, num_samples=samples, num_tokens=tokens, hidden_size=hidden_size)
+    throughputs = []
+    if tokens_per_s:
+        throughputs.append(pl.Throughput(at_gpus, tokens_per_s, "stated"))
+    try:
+        throughputs.extend(t for t in pl.throughputs_from_mlflow(p) if t.gpus != at_gpus or not tokens_per_s)
+    except Exception:  # noqa: BLE001 — no store or no matching runs: plan without them
+        pass
+    existing = _json.loads((store / "manifest.json").read_text())["total_bytes"] if (store / "manifest.json").exists() else 0
+    disk_dir = store if store.exists() else Path(".")
+    result = pl.make_plan(
+        scenario, lengths=lengths, gpu_counts=counts, throughputs=throughputs,
+        extract_tokens_per_s=pl.Throughput(1, extract_tokens_per_s, "stated") if extract_tokens_per_s else None,
+        disk_free=pl.disk_free_bytes(disk_dir) + existing,
+        shm_bytes=int(shm_mb * 1e6) if shm_mb else pl.shm_free_bytes(),
+    )
+    if as_json:
+        typer.echo(_json.dumps(result.to_json(), default=str))
+    else:
+        console.print(pl.plan_table(result))
 
 
 @app.command()

@@ -11,6 +11,7 @@ to a local JSONL spool (`<spool>`), and `draftlab tracking import SPOOL` replays
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -187,3 +188,24 @@ def run_id_of(train_dir: Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no finished training here; run `dvc repro train`")
     return json.loads(path.read_text())["run_id"]
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, *, experiment: str = "draftlab"):
+    """An MLflow run owned by one stage process (extract): FINISHED on success, FAILED otherwise."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    mlflow.set_experiment(experiment)
+    client = mlflow.MlflowClient()
+    run = client.create_run(mlflow.get_experiment_by_name(experiment).experiment_id,
+                            run_name=f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}")
+    tracker = MlflowTracker(run.info.run_id)
+    tracker.set_tags({**git_tags(), "draftlab.stage": stage})
+    status = "FAILED"
+    try:
+        with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=True):
+            yield tracker
+        status = "FINISHED"
+    finally:
+        client.set_terminated(run.info.run_id, status)

@@ -114,7 +114,10 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     handlers = []
     if run_dir is not None:
+        from draftlab.telemetry import StepProfileRecorder
+
         _record_sampler_batches(run_dir, rank)
+        handlers.append(StepProfileRecorder(run_dir, rank))
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
             from draftlab.tracking import MlflowTracker

@@ -47,15 +47,21 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) ->
     ds = ArrowDataset(max_len=t.total_seq_len, datapath=str(data_dir), transfer=FileTransfer(Path(store_dir)),
                       on_missing="raise", train_ratio=params.data.train_ratio, split="val",
                       hidden_states_dtype=getattr(torch, t.hidden_states_dtype))
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    # exactly the trainer's validation batches: its packing sampler and its eagle3 preprocess
     collate = CollateFn(t.total_seq_len, target.config.hidden_size, num_target_layers=3,
-                        dtype=getattr(torch, t.hidden_states_dtype))
+                        dtype=getattr(torch, t.hidden_states_dtype), preprocess=shift_batch)
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=t.total_seq_len, lengths=ds.approx_lengths,
+                                                 num_replicas=1, rank=0, seed=0)
     steps = t.ttt_steps
     d2t, in_draft_vocab = draft.d2t.long(), draft.t2d.bool()
     keys = ("loss", "full_correct", "full_total", "cond_total", "spec_full_correct")
     sums = {f"{k}_{s}": 0.0 for s in range(steps) for k in keys}
     oov = total_masked = n_batches = 0
-    for i in range(len(ds)):
-        batch = collate([ds[i]])
+    for indices in sampler:
+        batch = collate([ds[i] for i in indices])
         with torch.no_grad():
             logits_steps, spec = draft_forward(draft, batch, steps)
             h = batch["verifier_last_hidden_states"].to(target.dtype)

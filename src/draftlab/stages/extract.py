@@ -185,6 +185,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     _check_disk(out_dir, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
                 params.extract.min_free_disk_frac)
 
+    from draftlab import telemetry
+
+    sampler = telemetry.TelemetrySampler(out_dir, tracker).start() if tracker is not None else None
     capture = LayerCapture(model, layer_ids)
     torch_dtype = getattr(torch, dtype)
     pad = 0
@@ -224,6 +227,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
                 progress.update(task, advance=sum(len(r) for r in rows), rate=f"{rate:,.0f} tok/s")
     finally:
         capture.close()
+        if sampler is not None:
+            sampler.stop()
 
     files = [journal.done[i] for i in range(len(seq_lens))]
     manifest = {
@@ -242,6 +247,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     write_json_atomic(out_dir / store.MANIFEST, manifest)
     elapsed = time.perf_counter() - started
     tps = done_tokens / elapsed if done_tokens else 0.0
+    if tracker is not None:
+        tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest["num_tokens"],
+                             "extract/total_bytes": manifest["total_bytes"]})
+        tracker.log_params({"extract.layer_ids": layer_ids, "extract.dtype": dtype})
+        tracker.set_tags({"data.hidden_states_hash": store.manifest_hash(out_dir), "draftlab.stage": "extract"})
     console.print(
         f"[bold]extract[/]: {len(files)} files, {manifest['num_tokens']:,} tokens, "
         f"{manifest['total_bytes'] / 2**20:.1f} MiB → {out_dir} "

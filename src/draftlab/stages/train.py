@@ -365,14 +365,20 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
         mlflow.set_system_metrics_sampling_interval(2)
+        from draftlab import telemetry
+
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            write_json_atomic(out_dir / "launch.json", {"pgid": proc.pid})
+            sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
             try:
-                rc = proc.wait()
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGTERM)
-                rc = proc.wait()
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+                write_json_atomic(out_dir / "launch.json", {"pgid": proc.pid})
+                try:
+                    rc = proc.wait()
+                except KeyboardInterrupt:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    rc = proc.wait()
+            finally:
+                sampler.stop()
         (out_dir / "launch.json").unlink(missing_ok=True)
         wall = time.perf_counter() - started
         client = mlflow.MlflowClient()
@@ -396,11 +402,15 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         tracker.set_tags({"draftlab.checkpoint": str(checkpoint), "draftlab.accounting": "verified"})
         for f in ("config.json", "model.safetensors"):
             tracker.log_artifact(checkpoint / f, "checkpoint")
+        fpt = (telemetry.draft_flops_per_token(json.loads((checkpoint / "config.json").read_text()),
+                                               ttt_steps=params.train.ttt_steps) if device == "cuda" else None)
+        verdict = telemetry.conclude(sampler, out_dir, tracker, flops_per_token=fpt)
+        console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
         result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
                   "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
-                  "accounting": "verified"}
+                  "accounting": "verified", "bottleneck": verdict.overall.label}
         write_json_atomic(out_dir / "train.json", result)
         client.set_terminated(run_id, "FINISHED")
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
