@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,20 @@ class LayerCapture:
             h.remove()
 
 
+def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H, input_ids) -> list[dict]:
+    """Write one batch's files atomically; return their journal records (sha256 of the bytes
+    already in memory: no re-read)."""
+    from safetensors.torch import save
+
+    records = []
+    for r, (i, n) in enumerate(zip(batch, lengths)):
+        blob = save({"hidden_states": hidden_BT4H[r, :n].contiguous(), "token_ids": input_ids[r, :n].clone()})
+        write_bytes_atomic(out_dir / store.file_name(i), blob)
+        records.append({"index": i, "name": store.file_name(i), "bytes": len(blob),
+                        "sha256": hashlib.sha256(blob).hexdigest(), "tokens": n})
+    return records
+
+
 def target_identity(params: Params, target_dir: Path) -> dict:
     """What makes one target differ from another, cheaply (no hashing of TB of weights)."""
     from draftlab.stages.target import resolve
@@ -137,8 +152,6 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     import torch
     from datasets import load_from_disk
     from rich.progress import Progress, TextColumn
-    from safetensors.torch import save
-
     from draftlab.console import console, progress_columns
     from draftlab.stages.target import load_target
 
@@ -197,6 +210,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         f"[bold]extract[/]: {len(seq_lens)} samples, layers {layer_ids} + final (pre-norm), H={hidden}, "
         f"{dtype}; {len(batches) - len(todo)}/{len(batches)} batches already done"
     )
+    # One writer thread: batch k's files are serialised, hashed and written while batch k+1's
+    # forward runs (hashlib and file writes release the GIL). The journal records a batch only
+    # after its files are on disk, so a kill never leaves a recorded-but-missing file.
+    writer = ThreadPoolExecutor(max_workers=1)
+    pending = None
     try:
         with Progress(*progress_columns(TextColumn("{task.fields[rate]}")), console=console) as progress:
             task = progress.add_task("extracting", total=remaining_tokens, rate="")
@@ -211,21 +229,16 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
                 with torch.no_grad():
                     model.model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device))
                 hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
-                records = []
-                for r, i in enumerate(batch):
-                    n = len(rows[r])
-                    blob = save({
-                        "hidden_states": hidden_BT4H[r, :n].contiguous(),
-                        "token_ids": input_ids[r, :n].clone(),
-                    })
-                    write_bytes_atomic(out_dir / store.file_name(i), blob)
-                    records.append({"index": i, "name": store.file_name(i), "bytes": len(blob),
-                                    "sha256": hashlib.sha256(blob).hexdigest(), "tokens": n})
-                journal.record(records)
+                if pending is not None:
+                    journal.record(pending.result())
+                pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids)
                 done_tokens += sum(len(r) for r in rows)
                 rate = done_tokens / max(time.perf_counter() - started, 1e-9)
                 progress.update(task, advance=sum(len(r) for r in rows), rate=f"{rate:,.0f} tok/s")
+            if pending is not None:
+                journal.record(pending.result())
     finally:
+        writer.shutdown(wait=True)
         capture.close()
         if sampler is not None:
             sampler.stop()
