@@ -1,0 +1,48 @@
+"""A real CPU training run whose data source is slowed flips the verdict to data-bound.
+
+The slowdown is injected from outside draftlab: a `sitecustomize` on the ranks' PYTHONPATH wraps
+speculators' hidden-state reader (`hs_connectors.FileTransfer.get_cached`) with a sleep, as a slow
+network filesystem would: 0.25 s per sample against a step of tens of milliseconds of compute."""
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SLOW_READS = '''
+import time
+import hs_connectors.transfer as t
+_stock = t.FileTransfer.get_cached
+def get_cached(self, file_idx):
+    time.sleep(0.25)
+    return _stock(self, file_idx)
+t.FileTransfer.get_cached = get_cached
+'''
+
+
+def test_slow_data_source_is_called_data_bound(built, tmp_path, monkeypatch):
+    import mlflow
+
+    from draftlab.params import parse_params
+    from draftlab.stages import train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    params, target_dir, data_dir, store_dir = built
+    raw = params.model_dump()
+    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64})
+    p = parse_params(raw)
+
+    def verdict(out):
+        result = train.run(p, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out)
+        return mlflow.MlflowClient(uri).get_run(result.run_id).data.tags["draftlab.bottleneck"]
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_READS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    slow = verdict(tmp_path / "slow")
+    assert slow.startswith("data-bound"), slow
+    evidence = (tmp_path / "slow" / "bottleneck.json").read_text()
+    assert "data_wait" in evidence
