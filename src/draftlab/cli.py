@@ -50,6 +50,13 @@ def _guard(fn):
         return fn()
     except (ParamsError, RecordError, FileNotFoundError) as err:
         _fail(str(err))
+    except RuntimeError as err:
+        if type(err).__name__ != "ServingError":
+            raise
+        from draftlab.console import console
+
+        console.print(f"[red]error[/]: {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

@@ -139,6 +139,30 @@ def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]],
     return out
 
 
+def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_dir: Path, out_dir: Path) -> dict:
+    """vLLM serving benchmark of the exported draft (GPU hosts): speculative vs plain server."""
+    import tempfile
+
+    from draftlab import serving
+    from draftlab.stages import export
+    from draftlab.stages.target import resolve
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".vllm-draft-", dir=out_dir) as scratch:
+        draft_dir = Path(scratch) / "draft"
+        export.run(params, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir, out_dir=draft_dir)
+        vllm = serving.run_benchmark(
+            target=resolve(params, target_dir), draft_dir=draft_dir, prompts=prompts,
+            num_speculative_tokens=params.evaluate.num_speculative_tokens or params.train.ttt_steps,
+            max_tokens=params.evaluate.max_new_tokens, port=params.evaluate.vllm_port,
+            gpu_memory_utilization=params.evaluate.vllm_gpu_memory_utilization, log_dir=out_dir / "vllm")
+    vllm["eval/measured_acc_len"] = vllm["eval/vllm_measured_acc_len"]
+    for k in range(int(vllm["eval/vllm_num_speculative_tokens"])):
+        if f"eval/vllm_accept_rate_{k}" in vllm:
+            vllm[f"eval/accept_rate_{k}"] = vllm[f"eval/vllm_accept_rate_{k}"]
+    return vllm
+
+
 def _figures(run_id: str | None, metrics: dict, steps: int, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -203,6 +227,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     from draftlab.stages.target import load_target, resolve
 
     started = time.perf_counter()
+    if params.evaluate.backend == "vllm":
+        from draftlab.serving import require_gpu_and_vllm
+
+        require_gpu_and_vllm()  # before anything loads: a CPU host fails at once
     train = json.loads((Path(train_dir) / "train.json").read_text())
     manifest = store.read_manifest(store_dir)
     target, tokenizer = load_target(params, target_dir)
@@ -211,7 +239,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     from draftlab.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
-    metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
+    if params.evaluate.backend == "vllm":
+        metrics.update(_vllm(params, prompts, target_dir=target_dir, train_dir=train_dir,
+                             store_dir=store_dir, out_dir=out_dir))
+    else:
+        metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
@@ -228,6 +260,6 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         f"[bold]evaluate[/]: simulated acceptance length {metrics['eval/simulated_acc_len']:.3f} "
         f"(draft-vocab metric {metrics['eval/simulated_acc_len_draft_vocab']:.3f}), measured "
         f"{metrics.get('eval/measured_acc_len', float('nan')):.3f} on {len(prompts)} prompts; "
-        f"lossless: {bool(metrics['eval/lossless'])} → {out_dir / 'metrics.json'}"
+        f"lossless: {metrics.get('eval/lossless', 'n/a (vllm)')} → {out_dir / 'metrics.json'}"
     )
     return EvaluateResult(metrics)

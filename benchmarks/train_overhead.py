@@ -1,0 +1,326 @@
+"""What does the `draftlab train` harness cost, and how good is its ETA? The full stage against
+speculators' bare trainer on the same data and the same speculators argv, side by side.
+
+  bare   speculators' trainer in one process, patched for the device by `draftlab.compat` and
+         nothing else: what `python -m draftlab.train_rank <argv>` runs without DRAFTLAB_RUN_DIR
+         and MLFLOW_RUN_ID (no sampler records, no MLflow, no telemetry, no torchrun), with one
+         line-per-step profile recorder attached so that it can be measured at all;
+  full   `draftlab train --params <tmp>/params.yaml --target … --data … --store … --out <tmp>`:
+         accounting, MLflow run (temp sqlite store), telemetry sampler and system metrics in the
+         launcher, torchrun, the rank's observers (sample records, StepProfileRecorder, MLflow
+         metrics per step), the end-of-run checks.
+
+Both build their argv with `draftlab.stages.train.speculators_argv` from one params file (the
+script checks they differ only in paths). Both are measured by the same instrument: the
+`profile` dict speculators logs for every step (tokens = its real-token count, step_ms from
+the start of the fetch to the end of the optimizer step; the previous step's metric logging
+falls in the next step's fetch, so the harness's per-step work is inside step_ms):
+
+  steps  tokens/s = Σ tokens / Σ step_ms over global steps 1..N-1 (step 0, start-up, excluded)
+  span   tokens/s = Σ tokens of steps 1..N-1 / wall-clock from the end of step 0 to the end of
+         step N-1 (validation, checkpoints and epoch turnovers included)
+
+Runs alternate bare, full / full, bare, pair after pair; each ratio is full/bare of one pair,
+reported as median and min–max. Goal: ratio ≥ 0.97. Start-up (process start to step 0) is
+printed apart: it is a fixed cost per run, not a rate.
+
+ETA: from the full run's MLflow history, `perf/eta_s` at the step nearest 10 % of the total,
+against the end of the last step (both times are the MLflow metric timestamps of those steps):
+error = (ETA − actual remaining) / actual remaining. Goal: |error| ≤ 5 %. Printed beside it, to
+tell the causes apart: the remaining time the steps themselves took (Σ step_ms) and the rest
+(validation, checkpoints), and the ETA a plain mean of the steps so far would have given.
+
+Nothing passes or fails on timing. Outputs go to a temp dir (MLflow: sqlite:///<tmp>/mlflow.db),
+never to runs/ or mlflow.db.
+
+    python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs ≈ 63 steps, 2 pairs: ~6 min here
+    python benchmarks/train_overhead.py --pairs 3 --json reports/train_overhead.json
+    python benchmarks/train_overhead.py --threads 2 --total-seq-len 512 --epochs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE_KEYS = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms", "fetch_frac", "tokens_per_s")
+ETA_AT_FRACTION = 0.10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=Path, default=REPO / "params.yaml", help="base params (the tiny default)")
+    ap.add_argument("--target", type=Path, default=REPO / "models/target")
+    ap.add_argument("--data", type=Path, default=REPO / "data/prepared")
+    ap.add_argument("--store", type=Path, default=REPO / "data/hidden_states")
+    ap.add_argument("--total-seq-len", type=int, default=256, help="train.total_seq_len (256: ~21 steps/epoch)")
+    ap.add_argument("--epochs", type=int, default=3, help="train.epochs")
+    ap.add_argument("--pairs", type=int, default=2, help="bare/full pairs (order alternates)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per process (OMP_NUM_THREADS; 0 = torch's default). 1 by default: on a "
+                    "shared 2-core machine a descheduled OpenMP thread stalls every parallel region")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the temp dir goes (default: system temp)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (run folders, logs, MLflow store)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------- the bare rank (a subprocess)
+
+
+class ProfileLines(logging.Handler):
+    """The bare run's instrument: the same fields as draftlab.telemetry.StepProfileRecorder.
+    The file opens on the first record: speculators' logging dictConfig closes every handler
+    that exists before it runs."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self.file = Path(path), None
+
+    def emit(self, record):
+        profile = record.msg.get("profile") if isinstance(record.msg, dict) else None
+        if not profile:
+            return
+        if self.file is None or self.file.closed:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
+        rec = {"t": time.time(), "rank": 0, "step": getattr(record, "step", None)}
+        rec.update({k: profile[k] for k in PROFILE_KEYS if k in profile})
+        self.file.write(json.dumps(rec) + "\n")
+
+
+def bare_rank(profile_path: str, argv: list[str]) -> None:
+    """train_rank.main without DRAFTLAB_RUN_DIR: compat.run_trainer, no draftlab observers."""
+    from draftlab.compat import run_trainer
+
+    run_trainer(argv, metric_handlers=[ProfileLines(Path(profile_path))])
+
+
+# ---------------------------------------------------------------- set-up
+
+
+def write_params(args, dest: Path):
+    import yaml
+
+    from draftlab.params import load_params
+
+    raw = yaml.safe_load(args.params.read_text()) or {}
+    raw.setdefault("train", {}).update(total_seq_len=args.total_seq_len, epochs=args.epochs)
+    dest.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_params(dest, root=args.params.resolve().parent)
+
+
+def bare_argv(params, args, work: Path) -> tuple[list[str], int]:
+    """The argv `draftlab train` would hand the ranks, for a run folder to be filled in later."""
+    from draftlab import store
+    from draftlab.stages import train
+    from draftlab.stages.target import resolve
+
+    a, _ = train.plan(params, args.data)
+    maps = work / "vocab"
+    maps.mkdir()
+    d2t, t2d = train.vocab_mappings(params, args.target, args.data, maps)
+    layer_ids = train.check_layer_ids(params, store.read_manifest(args.store))
+    argv = train.speculators_argv(params, verifier=resolve(params, args.target), data_dir=args.data,
+                                  store_dir=args.store, out_dir=Path("@OUT@"), layer_ids=layer_ids,
+                                  total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=train.resolve_device(params))
+    return argv, a.total_steps
+
+
+def _without_paths(argv: list[str]) -> list[str]:
+    return [x if not (x.startswith("/") or x.startswith("@OUT@")) else "<path>" for x in argv]
+
+
+def child_env(args, tmp: Path) -> dict:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", COLUMNS="200")
+    for var in ("MLFLOW_RUN_ID", "DRAFTLAB_RUN_DIR", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        env.pop(var, None)
+    if args.threads > 0:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    return env
+
+
+# ---------------------------------------------------------------- one run of each
+
+
+def run_bare(argv_template: list[str], out: Path, env: dict, log: Path) -> dict:
+    argv = [x.replace("@OUT@", str(out)) for x in argv_template]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"), "--", *argv]
+    started = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
+    ended = time.time()
+    if rc != 0:
+        raise SystemExit(f"bare trainer failed (exit {rc}); see {log}")
+    return {"started": started, "ended": ended, "records": read_profile(out / "profile.jsonl"), "argv": argv}
+
+
+def run_full(params_path: Path, args, out: Path, env: dict, log: Path) -> dict:
+    exe = Path(sys.executable).with_name("draftlab")
+    draftlab = [str(exe)] if exe.exists() else [sys.executable, "-c", "from draftlab.cli import main; main()"]
+    cmd = [*draftlab, "train", "--params", str(params_path), "--target", str(args.target), "--data", str(args.data),
+           "--store", str(args.store), "--out", str(out)]
+    started = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
+    ended = time.time()
+    if rc != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-6:])
+        raise SystemExit(f"draftlab train failed (exit {rc}); see {log}:\n{tail}")
+    rank_argv = json.loads((out / "command.json").read_text())["cmd"]
+    rank_argv = rank_argv[rank_argv.index("draftlab.train_rank") + 1:]
+    return {"started": started, "ended": ended, "records": read_profile(out / "profile" / "rank0.jsonl"),
+            "argv": rank_argv, "run_id": json.loads((out / "run.json").read_text())["run_id"]}
+
+
+def read_profile(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(recs, key=lambda r: r["step"])
+
+
+def rates(run: dict, total_steps: int) -> dict:
+    recs = run["records"]
+    if len(recs) != total_steps:
+        raise SystemExit(f"expected {total_steps} profiled steps, found {len(recs)}: profile every step "
+                         "(speculators' --log-freq 1) and check the run's log")
+    tokens = [round(r["tokens_per_s"] * r["step_ms"] / 1000) for r in recs]
+    body, body_tokens = recs[1:], sum(tokens[1:])
+    step_s = sum(r["step_ms"] for r in body) / 1000
+    span_s = recs[-1]["t"] - recs[0]["t"]
+    return {"steps_tokens_per_s": body_tokens / step_s, "span_tokens_per_s": body_tokens / span_s,
+            "step_tokens": tokens, "startup_s": recs[0]["t"] - run["started"],
+            "after_last_step_s": run["ended"] - recs[-1]["t"], "wall_clock_s": run["ended"] - run["started"],
+            "fetch_ms_median": statistics.median(r["fetch_ms"] for r in body),
+            "step_ms_median": statistics.median(r["step_ms"] for r in body)}
+
+
+def eta_check(run: dict, total_steps: int, tracking_uri: str) -> dict:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    history = {m.step: m for m in client.get_metric_history(run["run_id"], "perf/eta_s")}
+    at = max(1, round(ETA_AT_FRACTION * total_steps))
+    last = total_steps - 1
+    if at not in history or last not in history:
+        raise SystemExit(f"perf/eta_s missing at step {at} or {last} in MLflow run {run['run_id']}")
+    eta_s = history[at].value
+    actual_s = (history[last].timestamp - history[at].timestamp) / 1000
+    recs = {r["step"]: r for r in run["records"]}
+    steps_only_s = sum(recs[s]["step_ms"] for s in range(at + 1, total_steps)) / 1000
+    mean_so_far_ms = statistics.mean(recs[s]["step_ms"] for s in range(1, at + 1))
+    plain_eta_s = (total_steps - at - 1) * mean_so_far_ms / 1000
+    return {"at_step": at, "eta_s": eta_s, "actual_remaining_s": actual_s, "error": (eta_s - actual_s) / actual_s,
+            "remaining_in_steps_s": steps_only_s, "remaining_between_steps_s": actual_s - steps_only_s,
+            "plain_mean_eta_s": plain_eta_s, "plain_mean_error": (plain_eta_s - actual_s) / actual_s,
+            "step_ms_first_10pct": mean_so_far_ms,
+            "step_ms_rest": statistics.mean(recs[s]["step_ms"] for s in range(at + 1, total_steps))}
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
+
+
+def _fmt(s: dict, digits: int = 3) -> str:
+    return f"median {s['median']:.{digits}f} (spread {s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--_bare-rank":
+        rest = sys.argv[3:]
+        bare_rank(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest)
+        return
+    args = parse_args()
+    for p in (args.target, args.data, args.store):
+        if not p.exists():
+            raise SystemExit(f"{p}: not found; build the pipeline first (`dvc repro extract`)")
+    tmp = Path(tempfile.mkdtemp(prefix="train_overhead-", dir=args.workdir))
+    env = child_env(args, tmp)
+    os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]  # this process reads the same store
+    try:
+        bench(args, tmp, env)
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench(args, tmp: Path, env: dict) -> None:
+    t0 = time.time()
+    params_path = tmp / "params.yaml"
+    params = write_params(args, params_path)
+    argv, total_steps = bare_argv(params, args, tmp)
+    print(f"setup: {total_steps} global steps ({args.epochs} epochs of {args.total_seq_len}-token rows, "
+          f"world size {params.train.world_size()}), torch threads {args.threads or 'default'}, temp dir {tmp}")
+
+    pairs, etas = [], []
+    for i in range(args.pairs):
+        runs = {}
+        for kind in (("bare", "full") if i % 2 == 0 else ("full", "bare")):
+            out = tmp / f"{kind}-{i}"
+            log = tmp / f"{kind}-{i}.log"
+            if kind == "bare":
+                out.mkdir()
+                runs[kind] = run_bare(argv, out, env, log)
+            else:
+                runs[kind] = run_full(params_path, args, out, env, log)
+            runs[kind]["rates"] = rates(runs[kind], total_steps)
+        b, f = runs["bare"]["rates"], runs["full"]["rates"]
+        same_argv = _without_paths(runs["bare"]["argv"]) == _without_paths(runs["full"]["argv"])
+        same_tokens = b["step_tokens"] == f["step_tokens"]
+        eta = eta_check(runs["full"], total_steps, env["MLFLOW_TRACKING_URI"])
+        etas.append(eta)
+        pair = {"order": "bare,full" if i % 2 == 0 else "full,bare",
+                "steps_ratio": f["steps_tokens_per_s"] / b["steps_tokens_per_s"],
+                "span_ratio": f["span_tokens_per_s"] / b["span_tokens_per_s"],
+                "bare": {k: v for k, v in b.items() if k != "step_tokens"},
+                "full": {k: v for k, v in f.items() if k != "step_tokens"},
+                "same_argv_but_paths": same_argv, "same_step_tokens": same_tokens}
+        pairs.append(pair)
+        print(f"pair {i} ({pair['order']}): tokens/s steps bare {b['steps_tokens_per_s']:,.0f} full "
+              f"{f['steps_tokens_per_s']:,.0f} → {pair['steps_ratio']:.3f}; span bare {b['span_tokens_per_s']:,.0f} "
+              f"full {f['span_tokens_per_s']:,.0f} → {pair['span_ratio']:.3f}; start-up bare {b['startup_s']:.1f} s "
+              f"full {f['startup_s']:.1f} s; whole command bare {b['wall_clock_s']:.1f} s full {f['wall_clock_s']:.1f} s; "
+              f"median fetch_ms bare {b['fetch_ms_median']:.0f} full {f['fetch_ms_median']:.0f}; "
+              f"ETA at step {eta['at_step']} {eta['eta_s']:.1f} s vs {eta['actual_remaining_s']:.1f} s actual "
+              f"({eta['error']:+.1%}); same argv but paths: {same_argv}, same tokens per step: {same_tokens}")
+
+    steps_r = spread([p["steps_ratio"] for p in pairs])
+    span_r = spread([p["span_ratio"] for p in pairs])
+    err = spread([e["error"] for e in etas])
+    plain = spread([e["plain_mean_error"] for e in etas])
+    between = spread([e["remaining_between_steps_s"] / e["actual_remaining_s"] for e in etas])
+    drift = spread([e["step_ms_rest"] / e["step_ms_first_10pct"] for e in etas])
+    print(f"ETA diagnosis: of the actual remaining time, {_fmt(between, 3)} was outside steps (validation, "
+          f"checkpoints, epoch turnovers); step_ms after the ETA point / before it: {_fmt(drift, 2)} (machine load "
+          f"moves this); a plain mean of steps 1..{etas[0]['at_step']} would have erred {_fmt(plain, 3)}")
+    print(f"RESULT tokens/s full/bare (steps' own profile, step 0 excluded): {_fmt(steps_r)} over {args.pairs} "
+          f"interleaved pairs; goal ≥ 0.97")
+    print(f"RESULT tokens/s full/bare (wall-clock span, validation + checkpoints included): {_fmt(span_r)}")
+    print(f"RESULT ETA error at {ETA_AT_FRACTION:.0%} of {total_steps} steps (perf/eta_s vs end of the last step): "
+          f"{_fmt(err)}; goal |error| ≤ 0.05")
+    print(f"benchmark wall-clock {time.time() - t0:.0f} s")
+    if args.json:
+        res = {"total_steps": total_steps, "total_seq_len": args.total_seq_len, "epochs": args.epochs,
+               "threads": args.threads, "pairs": pairs, "eta": etas, "steps_ratio": steps_r, "span_ratio": span_r,
+               "eta_error": err}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"results → {args.json}")
+
+
+if __name__ == "__main__":
+    main()
