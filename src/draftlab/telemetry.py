@@ -335,10 +335,9 @@ class StepProfileRecorder(logging.Handler):
 
     def __init__(self, run_dir: Path, rank: int):
         super().__init__()
-        path = Path(run_dir) / "profile" / f"rank{rank}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / "profile" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115 — one line per step for the run's life
 
     def emit(self, record):
         msg = record.msg
@@ -347,11 +346,10 @@ class StepProfileRecorder(logging.Handler):
             return
         rec = {"t": time.time(), "rank": self.rank, "step": getattr(record, "step", None)}
         rec.update({k: profile[k] for k in self.KEYS if k in profile})
-        self.file.write(json.dumps(rec) + "\n")
-
-    def close(self):
-        self.file.close()
-        super().close()
+        # opened per record: speculators' dictConfig closes every handler that exists when it
+        # configures logging, which is after this one is made
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 def read_step_records(run_dir: Path) -> list[dict]:
@@ -497,7 +495,10 @@ def verdict_for_run(windows: list[TelemetryWindow]) -> RunVerdict:
     if not windows:
         empty = Verdict("compute-bound", {"missing": ["every window"]}, "no telemetry was recorded")
         return RunVerdict(empty, [], {})
-    judged = [(w, classify(w)) for w in windows]
+    # Windows without a training step (start-up, the final checkpoint/validation) carry no
+    # evidence about steps: judge the run on the windows that trained, when there are any.
+    stepping = [w for w in windows if w.step_ms is not None]
+    judged = [(w, classify(w)) for w in (stepping or windows)]
     time_by: dict[str, float] = {}
     for w, v in judged:
         time_by[v.label] = time_by.get(v.label, 0.0) + max(w.end_s - w.start_s, 1e-9)
