@@ -149,3 +149,33 @@ def test_kill_9_then_rerun_resumes_the_same_run_without_relogging(built, tmp_pat
     steps = [m.step for m in mlflow_store.get_metric_history(run_id, "train/loss")]
     total = json.loads((out / "accounting.json").read_text())["total_steps"]
     assert sorted(steps) == list(range(total)), "each step logged exactly once across the kill"
+
+
+def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_store):
+    from draftlab.stages import evaluate, export
+    from draftlab.tracking import MlflowTracker
+
+    params = _train_params(built, epochs=1)
+    _, target_dir, data_dir, store_dir = built
+    result = _run(params, built, tmp_path / "run")
+    tracker = MlflowTracker(result.run_id)
+    ev = evaluate.run(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir,
+                      train_dir=tmp_path / "run", out_dir=tmp_path / "reports", tracker=tracker)
+    m = ev.metrics
+    k = params.train.ttt_steps
+    assert m["eval/lossless"] == 1.0, "speculative decoding must reproduce the target's greedy output"
+    assert m["eval/simulated_acc_len"] == pytest.approx(1 + sum(m[f"eval/full_acc_{s}"] for s in range(k)))
+    assert 1.0 <= m["eval/measured_acc_len"] <= 1 + k
+    assert m["eval/target_forwards"] <= m["eval/plain_forwards"]
+    saved = json.loads((tmp_path / "reports" / "metrics.json").read_text())
+    assert saved["run_id"] == result.run_id and "eval/predicted_over_measured" in saved
+    for name in ("acceptance_by_position.png", "loss_per_ttt_step.png", "acceptance.csv", "train_loss.csv"):
+        assert (tmp_path / "reports" / name).stat().st_size > 0
+    export.run(params, target_dir=target_dir, train_dir=tmp_path / "run", store_dir=store_dir,
+               out_dir=tmp_path / "draft", tracker=tracker)
+    run = mlflow_store.get_run(result.run_id)
+    assert {"eval/simulated_acc_len", "eval/measured_acc_len"} <= run.data.metrics.keys()
+    assert run.data.tags["draftlab.export"] == str(tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert len(cfg["eagle_aux_hidden_state_layer_ids"]) == 3
+    assert cfg["speculators_config"]["verifier"]["name_or_path"]
