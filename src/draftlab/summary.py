@@ -9,12 +9,12 @@ from pathlib import Path
 from draftlab.params import Params
 
 OUTPUTS = [
-    ("target", Path("reports/target.json")),
-    ("prepare", Path("data/prepared/prepare.json")),
-    ("extract", Path("data/hidden_states/manifest.json")),
-    ("train", Path("runs/train/train.json")),
-    ("evaluate", Path("reports/metrics.json")),
-    ("export", Path("models/draft/export.json")),
+    ("target", Path("models/target"), Path("reports/target.json")),
+    ("prepare", Path("data/prepared"), Path("data/prepared/prepare.json")),
+    ("extract", Path("data/hidden_states"), Path("data/hidden_states/manifest.json")),
+    ("train", Path("runs/train"), Path("runs/train/train.json")),
+    ("evaluate", Path("reports"), Path("reports/metrics.json")),
+    ("export", Path("models/draft"), Path("models/draft/export.json")),
 ]
 
 
@@ -36,8 +36,8 @@ def _line(stage: str, info: dict) -> str:
         return f"{info.get('total_steps')} steps on {info.get('world_size')} rank(s), MLflow run {info.get('run_id')}"
     if stage == "evaluate":
         keys = [k for k in ("eval/simulated_acc_len", "eval/measured_acc_len") if k in info]
-        return ", ".join(f"{k} = {info[k]:.3f}" for k in keys) or "metrics written"
-    return ", ".join(f"{k}: {v}" for k, v in info.items() if isinstance(v, (str, int, float)))
+        return ", ".join(f"{k.split('/')[1]} = {info[k]:.3f}" for k in keys) or "metrics written"
+    return f"verifier → {info.get('verifier_path')}, k = {info.get('num_speculative_tokens')} (see its README.md)"
 
 
 def show(params: Params) -> None:
@@ -49,10 +49,10 @@ def show(params: Params) -> None:
     table.add_column("stage")
     table.add_column("output")
     table.add_column("figures")
-    for stage, path in OUTPUTS:
+    for stage, where, path in OUTPUTS:
         info = _read(path)
         if info is not None:
-            table.add_row(stage, str(path.parent), _line(stage, info))
+            table.add_row(stage, str(where), _line(stage, info))
     console.print(table)
     console.print("Look next:")
     console.print("  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open http://127.0.0.1:5000)")
