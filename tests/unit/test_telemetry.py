@@ -98,13 +98,13 @@ def test_windows_from_rank_records_find_the_straggler_and_the_communication():
 
 def test_sampler_logs_host_metrics_mlflow_lacks(tmp_path):
     tracker = RecordingTracker()
-    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(80_000_000); time.sleep(3)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(80_000_000); time.sleep(120)"])
     try:
-        time.sleep(0.3)
+        time.sleep(0.5)
         with tm.TelemetrySampler(tmp_path, tracker, interval_s=0.1) as sampler:
-            deadline = time.time() + 1.0
-            while time.time() < deadline:
-                sum(range(10_000))
+            deadline = time.time() + 60  # a count of samples, not a duration: loaded hosts are slow
+            while len(sampler.samples) < 3 and time.time() < deadline:
+                time.sleep(0.05)
     finally:
         child.kill()
         child.wait()
