@@ -5,7 +5,8 @@ Each repeat:
   C  calibration: `draftlab train` on the same params but `--calibration-epochs` (default 1) into a
      temp MLflow store; its whole-run tokens/s (`perf/run_tokens_per_s`) is the throughput that
      `plan` finds there ("mlflow run <id>": the latest finished run with matching draft and
-     packing params, exactly what a user gets after one run);
+     packing params, exactly what a user gets after one run; when that lookup does not pick the
+     run, the script says so and passes the same figure as `--tokens-per-s`);
   P  `draftlab plan --json --gpus 1`: predicted wall-clock = epochs × trained tokens ÷ tokens/s;
   A  the actual run, one of
        train      `draftlab train` on the tiny default into a temp run folder (default);
@@ -126,12 +127,28 @@ def calibrate(args, tmp: Path, env: dict, i: int) -> dict:
             "steady_tokens_per_s": statistics.median(per_step[1:] or per_step)}
 
 
-def plan(args, tmp: Path, env: dict, i: int) -> dict:
+def lookup_finds(args, env: dict, run_id: str) -> bool:
+    """Would `plan`'s MLflow lookup pick the calibration run? (The same function, run here.)"""
+    import mlflow
+
+    from draftlab import planning as pl
+    from draftlab.params import load_params
+
+    found = pl.throughputs_from_mlflow(load_params(args.params), client=mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]))
+    return any(t.gpus == 1 and run_id in t.source for t in found)
+
+
+def plan(args, tmp: Path, env: dict, i: int, cal: dict) -> dict:
     log = tmp / f"plan-{i}.json"
+    cmd = [*draftlab_cmd(), "plan", "--params", str(args.params), "--data", str(args.data), "--store", str(args.store),
+           "--gpus", "1", "--json"]
+    stated = not lookup_finds(args, env, cal["run_id"])
+    if stated:  # the figure the lookup would have used, passed by hand
+        print(f"note: `plan`'s MLflow lookup (planning.throughputs_from_mlflow) does not match calibration run "
+              f"{cal['run_id']}; passing its perf/run_tokens_per_s as --tokens-per-s")
+        cmd += ["--tokens-per-s", repr(cal["run_tokens_per_s"]), "--at-gpus", "1"]
     started = time.perf_counter()
-    proc = subprocess.run([*draftlab_cmd(), "plan", "--params", str(args.params), "--data", str(args.data),
-                           "--store", str(args.store), "--gpus", "1", "--json"],
-                          cwd=tmp, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"draftlab plan failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -143,7 +160,7 @@ def plan(args, tmp: Path, env: dict, i: int) -> dict:
     return {"predicted_s": row["wall_clock_s"], "tokens_per_s": row["tokens_per_s"],
             "source": row["throughput_source"], "total_steps": row["total_steps"][0],
             "trained_tokens_per_epoch": result["steps"]["trained_tokens_per_epoch"],
-            "epochs": result["scenario"]["epochs"], "plan_wall_clock_s": wall}
+            "epochs": result["scenario"]["epochs"], "plan_wall_clock_s": wall, "stated": stated}
 
 
 def repo_copy(dest: Path, env: dict, params: Path, *, with_outputs: bool) -> Path:
@@ -223,13 +240,13 @@ def bench(args, tmp: Path, env: dict) -> None:
     for i in range(args.repeats):
         if i % 2 == 0:
             cal = calibrate(args, tmp, env, i)
-            pred = plan(args, tmp, env, i)
+            pred = plan(args, tmp, env, i, cal)
             act = actual(args, tmp, env, i)
         else:
             act = actual(args, tmp, env, i)
             cal = calibrate(args, tmp, env, i)
-            pred = plan(args, tmp, env, i)
-        if cal["run_id"] not in pred["source"]:
+            pred = plan(args, tmp, env, i, cal)
+        if not pred["stated"] and cal["run_id"] not in pred["source"]:
             print(f"note: plan used {pred['source']}, not calibration run {cal['run_id']}")
         steady_s = pred["epochs"] * pred["trained_tokens_per_epoch"] / cal["steady_tokens_per_s"]
         row = {"order": "C,P,A" if i % 2 == 0 else "A,C,P", "calibration": cal, "plan": pred, "actual": act,

@@ -8,7 +8,10 @@ speculators' bare trainer on the same data and the same speculators argv, side b
   full   `draftlab train --params <tmp>/params.yaml --target … --data … --store … --out <tmp>`:
          accounting, MLflow run (temp sqlite store), telemetry sampler and system metrics in the
          launcher, torchrun, the rank's observers (sample records, StepProfileRecorder, MLflow
-         metrics per step), the end-of-run checks.
+         metrics per step), the end-of-run checks;
+  torchrun the bare trainer again, under `torchrun --standalone --nproc-per-node 1` (so a gloo
+         process group and speculators' DDP wrapper): how much of full − bare is torchrun's, not
+         draftlab's (`--no-torchrun-arm` skips it).
 
 Both build their argv with `draftlab.stages.train.speculators_argv` from one params file (the
 script checks they differ only in paths). Both are measured by the same instrument: the
@@ -20,8 +23,8 @@ falls in the next step's fetch, so the harness's per-step work is inside step_ms
   span   tokens/s = Σ tokens of steps 1..N-1 / wall-clock from the end of step 0 to the end of
          step N-1 (validation, checkpoints and epoch turnovers included)
 
-Runs alternate bare, full / full, bare, pair after pair; each ratio is full/bare of one pair,
-reported as median and min–max. Goal: ratio ≥ 0.97. Start-up (process start to step 0) is
+Runs alternate bare, torchrun, full / full, torchrun, bare, pair after pair; each ratio is
+full/bare within one pair, reported as median and min–max. Goal: ratio ≥ 0.97. Start-up (process start to step 0) is
 printed apart: it is a fixed cost per run, not a rate.
 
 ETA: from the full run's MLflow history, `perf/eta_s` at the step nearest 10 % of the total,
@@ -33,7 +36,7 @@ tell the causes apart: the remaining time the steps themselves took (Σ step_ms)
 Nothing passes or fails on timing. Outputs go to a temp dir (MLflow: sqlite:///<tmp>/mlflow.db),
 never to runs/ or mlflow.db.
 
-    python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs ≈ 63 steps, 2 pairs: ~6 min here
+    python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs = 63 steps, 2 pairs: ~4-7 min here
     python benchmarks/train_overhead.py --pairs 3 --json reports/train_overhead.json
     python benchmarks/train_overhead.py --threads 2 --total-seq-len 512 --epochs 6
 """
@@ -55,6 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROFILE_KEYS = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms", "fetch_frac", "tokens_per_s")
 ETA_AT_FRACTION = 0.10
+PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms")  # fetch_ms also holds the previous step's logging
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--total-seq-len", type=int, default=256, help="train.total_seq_len (256: ~21 steps/epoch)")
     ap.add_argument("--epochs", type=int, default=3, help="train.epochs")
     ap.add_argument("--pairs", type=int, default=2, help="bare/full pairs (order alternates)")
+    ap.add_argument("--torchrun-arm", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the bare trainer under torchrun (1 rank), to tell torchrun's own cost "
+                    "(process group, DDP wrapper) from draftlab's")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per process (OMP_NUM_THREADS; 0 = torch's default). 1 by default: on a "
                     "shared 2-core machine a descheduled OpenMP thread stalls every parallel region")
@@ -154,9 +161,11 @@ def child_env(args, tmp: Path) -> dict:
 # ---------------------------------------------------------------- one run of each
 
 
-def run_bare(argv_template: list[str], out: Path, env: dict, log: Path) -> dict:
+def run_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False) -> dict:
     argv = [x.replace("@OUT@", str(out)) for x in argv_template]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"), "--", *argv]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if torchrun \
+        else [sys.executable]
+    cmd = [*launcher, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"), "--", *argv]
     started = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
@@ -203,8 +212,7 @@ def rates(run: dict, total_steps: int) -> dict:
     return {"steps_tokens_per_s": body_tokens / step_s, "span_tokens_per_s": body_tokens / span_s,
             "step_tokens": tokens, "startup_s": recs[0]["t"] - run["started"],
             "after_last_step_s": run["ended"] - recs[-1]["t"], "wall_clock_s": run["ended"] - run["started"],
-            "fetch_ms_median": statistics.median(r["fetch_ms"] for r in body),
-            "step_ms_median": statistics.median(r["step_ms"] for r in body)}
+            **{f"{k}_median": statistics.median(r[k] for r in body) for k in PHASES}}
 
 
 def eta_check(run: dict, total_steps: int, tracking_uri: str) -> dict:
@@ -266,37 +274,48 @@ def bench(args, tmp: Path, env: dict) -> None:
     print(f"setup: {total_steps} global steps ({args.epochs} epochs of {args.total_seq_len}-token rows, "
           f"world size {params.train.world_size()}), torch threads {args.threads or 'default'}, temp dir {tmp}")
 
+    arms = ("bare", "torchrun", "full") if args.torchrun_arm else ("bare", "full")
     pairs, etas = [], []
     for i in range(args.pairs):
         runs = {}
-        for kind in (("bare", "full") if i % 2 == 0 else ("full", "bare")):
+        for kind in (arms if i % 2 == 0 else arms[::-1]):
             out = tmp / f"{kind}-{i}"
             log = tmp / f"{kind}-{i}.log"
-            if kind == "bare":
-                out.mkdir()
-                runs[kind] = run_bare(argv, out, env, log)
-            else:
+            if kind == "full":
                 runs[kind] = run_full(params_path, args, out, env, log)
+            else:
+                out.mkdir()
+                runs[kind] = run_bare(argv, out, env, log, torchrun=kind == "torchrun")
             runs[kind]["rates"] = rates(runs[kind], total_steps)
-        b, f = runs["bare"]["rates"], runs["full"]["rates"]
-        same_argv = _without_paths(runs["bare"]["argv"]) == _without_paths(runs["full"]["argv"])
-        same_tokens = b["step_tokens"] == f["step_tokens"]
+        r = {kind: run["rates"] for kind, run in runs.items()}
+        b, f = r["bare"], r["full"]
+        same_argv = len({tuple(_without_paths(run["argv"])) for run in runs.values()}) == 1
+        same_tokens = len({tuple(x["step_tokens"]) for x in r.values()}) == 1
         eta = eta_check(runs["full"], total_steps, env["MLFLOW_TRACKING_URI"])
         etas.append(eta)
-        pair = {"order": "bare,full" if i % 2 == 0 else "full,bare",
+        pair = {"order": ",".join(arms if i % 2 == 0 else arms[::-1]),
                 "steps_ratio": f["steps_tokens_per_s"] / b["steps_tokens_per_s"],
                 "span_ratio": f["span_tokens_per_s"] / b["span_tokens_per_s"],
-                "bare": {k: v for k, v in b.items() if k != "step_tokens"},
-                "full": {k: v for k, v in f.items() if k != "step_tokens"},
+                **{kind: {k: v for k, v in x.items() if k != "step_tokens"} for kind, x in r.items()},
                 "same_argv_but_paths": same_argv, "same_step_tokens": same_tokens}
+        if "torchrun" in r:
+            pair["torchrun_ratio"] = r["torchrun"]["steps_tokens_per_s"] / b["steps_tokens_per_s"]
+            pair["full_over_torchrun"] = f["steps_tokens_per_s"] / r["torchrun"]["steps_tokens_per_s"]
         pairs.append(pair)
-        print(f"pair {i} ({pair['order']}): tokens/s steps bare {b['steps_tokens_per_s']:,.0f} full "
-              f"{f['steps_tokens_per_s']:,.0f} → {pair['steps_ratio']:.3f}; span bare {b['span_tokens_per_s']:,.0f} "
-              f"full {f['span_tokens_per_s']:,.0f} → {pair['span_ratio']:.3f}; start-up bare {b['startup_s']:.1f} s "
-              f"full {f['startup_s']:.1f} s; whole command bare {b['wall_clock_s']:.1f} s full {f['wall_clock_s']:.1f} s; "
-              f"median fetch_ms bare {b['fetch_ms_median']:.0f} full {f['fetch_ms_median']:.0f}; "
-              f"ETA at step {eta['at_step']} {eta['eta_s']:.1f} s vs {eta['actual_remaining_s']:.1f} s actual "
-              f"({eta['error']:+.1%}); same argv but paths: {same_argv}, same tokens per step: {same_tokens}")
+        print(f"pair {i} ({pair['order']}): tokens/s (steps) " + ", ".join(
+            f"{kind} {x['steps_tokens_per_s']:,.0f}" for kind, x in r.items()) + f" → full/bare {pair['steps_ratio']:.3f}"
+            + (f", torchrun/bare {pair['torchrun_ratio']:.3f}, full/torchrun {pair['full_over_torchrun']:.3f}"
+               if "torchrun" in r else "")
+            + f"; span full/bare {pair['span_ratio']:.3f}; start-up " + ", ".join(
+            f"{kind} {x['startup_s']:.1f} s" for kind, x in r.items()) + "; whole command " + ", ".join(
+            f"{kind} {x['wall_clock_s']:.1f} s" for kind, x in r.items()))
+        print(f"    median ms per step full − bare: " + ", ".join(
+            f"{k[:-3]} {f[k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES)
+            + ("; torchrun − bare: " + ", ".join(
+               f"{k[:-3]} {r['torchrun'][k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES) if "torchrun" in r
+               else "")
+            + f"; ETA at step {eta['at_step']} {eta['eta_s']:.1f} s vs {eta['actual_remaining_s']:.1f} s actual "
+            f"({eta['error']:+.1%}); same argv but paths: {same_argv}, same tokens per step: {same_tokens}")
 
     steps_r = spread([p["steps_ratio"] for p in pairs])
     span_r = spread([p["span_ratio"] for p in pairs])
@@ -304,19 +323,26 @@ def bench(args, tmp: Path, env: dict) -> None:
     plain = spread([e["plain_mean_error"] for e in etas])
     between = spread([e["remaining_between_steps_s"] / e["actual_remaining_s"] for e in etas])
     drift = spread([e["step_ms_rest"] / e["step_ms_first_10pct"] for e in etas])
+    deltas = {k: spread([p["full"][k + "_median"] - p["bare"][k + "_median"] for p in pairs]) for k in PHASES}
+    print("where the harness's time goes, median ms per step full − bare: " + "; ".join(
+        f"{k[:-3]} {_fmt(d, 0)}" for k, d in deltas.items()) + " (fetch holds the previous step's metric logging)")
     print(f"ETA diagnosis: of the actual remaining time, {_fmt(between, 3)} was outside steps (validation, "
           f"checkpoints, epoch turnovers); step_ms after the ETA point / before it: {_fmt(drift, 2)} (machine load "
           f"moves this); a plain mean of steps 1..{etas[0]['at_step']} would have erred {_fmt(plain, 3)}")
     print(f"RESULT tokens/s full/bare (steps' own profile, step 0 excluded): {_fmt(steps_r)} over {args.pairs} "
           f"interleaved pairs; goal ≥ 0.97")
     print(f"RESULT tokens/s full/bare (wall-clock span, validation + checkpoints included): {_fmt(span_r)}")
+    if args.torchrun_arm:
+        print(f"RESULT split: torchrun alone (bare trainer under torchrun: gloo process group, DDP) tokens/s "
+              f"torchrun/bare {_fmt(spread([p['torchrun_ratio'] for p in pairs]))}; draftlab's own part full/torchrun "
+              f"{_fmt(spread([p['full_over_torchrun'] for p in pairs]))}")
     print(f"RESULT ETA error at {ETA_AT_FRACTION:.0%} of {total_steps} steps (perf/eta_s vs end of the last step): "
           f"{_fmt(err)}; goal |error| ≤ 0.05")
     print(f"benchmark wall-clock {time.time() - t0:.0f} s")
     if args.json:
         res = {"total_steps": total_steps, "total_seq_len": args.total_seq_len, "epochs": args.epochs,
                "threads": args.threads, "pairs": pairs, "eta": etas, "steps_ratio": steps_r, "span_ratio": span_r,
-               "eta_error": err}
+               "eta_error": err, "phase_delta_ms": deltas}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2) + "\n")
         print(f"results → {args.json}")
