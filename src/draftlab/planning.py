@@ -465,13 +465,16 @@ def throughputs_from_mlflow(params, *, client=None, experiment: str = "draftlab"
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    want = {k: str(v) for k, v in flatten(params).items() if k in MATCH_PARAMS}
+    from draftlab.tracking import _param_str
+
+    # as `draftlab train` logs them (json for non-strings), or as plain str() from other loggers
+    want = {k: {_param_str(v), str(v)} for k, v in flatten(params).items() if k in MATCH_PARAMS}
     runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=max_runs,
                               order_by=["attributes.start_time DESC"])
     latest: dict[int, Throughput] = {}
     for run in runs:
         p, m, tags = run.data.params, run.data.metrics, run.data.tags
-        if any(p.get(k) != v for k, v in want.items()) or "world_size" not in p:
+        if any(p.get(k) not in v for k, v in want.items()) or "world_size" not in p:
             continue
         if device_model and tags.get("device.model") != device_model:
             continue

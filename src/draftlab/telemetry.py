@@ -551,7 +551,7 @@ def build_windows(samples: list[Sample], steps: list[dict], *, window_s: float =
             w.rank_busy_ms = [busy[rk] for rk in sorted(busy)] if len(busy) > 1 else None
             slowest = by_rank[max(busy, key=busy.get)]  # its wait in bwd is communication, not waiting for others
             full = [r for r in slowest if {"fwd_ms", "bwd_ms", "step_ms"} <= r.keys()]
-            if full:
+            if full and len(by_rank) > 1:  # one rank has nobody to wait for
                 w.comm_frac = statistics.median(comm_frac_estimate(r["fwd_ms"], r["bwd_ms"], r["step_ms"])
                                                 for r in full)
             if flops_per_token and peak:
