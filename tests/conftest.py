@@ -43,3 +43,14 @@ def built(tmp_path_factory, params):
     prepare.run(params, target_dir=target_dir, out_dir=data_dir)
     extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=store_dir)
     return params, target_dir, data_dir, store_dir
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls: a second intra-op thread only spins while the other core is busy (~10x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

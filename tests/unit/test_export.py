@@ -21,12 +21,7 @@ LAYER_IDS = [2, 4, 5]  # the tiny target's default aux layers (8 layers)
 SERVED_TARGET = "example-org/served-target"  # a hub id that does not exist here
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
