@@ -225,6 +225,39 @@ def plan(
 
 
 @app.command()
+def sweep(
+    space: Annotated[Path, typer.Argument(help="Search space file, e.g. experiments/sweep-tiny.yaml.")],
+    budget: Annotated[str | None, typer.Option(help="Total wall-clock, calibration included: 24h, 90m, 1h30m.")] = None,
+    trial_cap: Annotated[str | None, typer.Option("--trial-cap", help="Longest one trial may run.")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage: journal file path or postgresql://….")] = None,
+    study: Annotated[str | None, typer.Option(help="Study name (default: the space file's).")] = None,
+    devices: Annotated[str | None, typer.Option(help="Device slots of this worker: a count or ids (0,1,2,3).")] = None,
+    n_trials: Annotated[int | None, typer.Option("--n-trials", help="Stop after this many trials have run.")] = None,
+    params: Annotated[Path | None, typer.Option("--params", help="Base params (default: the space file's).")] = None,
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = Path("runs/sweeps"),
+) -> None:
+    """Optuna over epochs, lr and GPU count inside a wall-clock budget (resumable; workers share it)."""
+    from draftlab.sweep_space import SpaceError, read_spec
+
+    def go():
+        from draftlab import sweep_study
+
+        spec = read_spec(space, budget=budget, trial_cap=trial_cap, storage=storage, study=study,
+                         params=str(params) if params else None)
+        base = _load(Path(spec.params))
+        return sweep_study.run(spec, base, target_dir=target, data_dir=data, store_dir=store, out_dir=out,
+                               devices_flag=devices, n_trials=n_trials)
+
+    try:
+        _guard(go)
+    except SpaceError as err:
+        _fail(str(err))
+
+
+@app.command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
     quick: Annotated[bool, typer.Option(help="Check sizes only, skip re-hashing.")] = False,

@@ -271,7 +271,7 @@ def _device_tags(device: str) -> dict[str, str]:
     return tags
 
 
-def _open_run(out_dir: Path, key: str, console) -> tuple[str, bool]:
+def _open_run(out_dir: Path, key: str, console, tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """The MLflow run for this folder: the same one again after a kill, else a new one."""
     import mlflow
 
@@ -288,8 +288,10 @@ def _open_run(out_dir: Path, key: str, console) -> tuple[str, bool]:
             except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
                 console.print(f"[yellow]train[/]: MLflow run {prev['run_id']} not found; starting a new one")
     mlflow.set_experiment(EXPERIMENT)
-    run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name(EXPERIMENT).experiment_id,
-                                            run_name=f"train-{time.strftime('%Y%m%d-%H%M%S')}")
+    tags = dict(tags or {})
+    name = tags.pop("mlflow.runName", f"train-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name(EXPERIMENT).experiment_id, tags=tags,
+                                            run_name=name)
     write_json_atomic(state, {"key": key, "run_id": run.info.run_id})
     return run.info.run_id, False
 
@@ -314,7 +316,9 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path) -> TrainResult:
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
+        run_tags: dict[str, str] | None = None) -> TrainResult:
+    """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number)."""
     import mlflow
 
     from draftlab.console import console
@@ -339,7 +343,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         _set_aside_if_stale(out_dir, key, console)
     with exclusive(out_dir):
         console.print(accounting_table(a, params))
-        run_id, resumed = _open_run(out_dir, key, console)
+        run_id, resumed = _open_run(out_dir, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=out_dir / "tracking-spool.jsonl")
         resumed_step = last_global_step(out_dir / "checkpoints") if resumed else None
         if not resumed:

@@ -1,0 +1,619 @@
+"""Budget-aware Optuna sweeps over epochs, lr and GPU count (`draftlab sweep SPACE.yaml --budget 24h`).
+
+Where Optuna's `timeout=` only stops *starting* trials, a sweep here never spends time it does
+not have:
+
+  calibrate  one real trial per GPU count (base lr, few epochs) measures start-up, seconds per
+             global step and per epoch; cached in the study; E(n) = T(n) / (n · T(n0)) logged
+  predict    steps from `draftlab.planning` (the sampler `draftlab plan` and `train` use) ×
+             seconds per step + epochs × per-epoch cost + start-up
+  reject     a trial whose prediction × (1 + margin) does not fit the remaining budget (or the
+             per-trial cap) is recorded as rejected, with the reason, before it starts
+  guard      a started trial is stopped at min(cap, remaining budget): SIGTERM to its process
+             groups, SIGKILL after `stop_grace_s`; so the sweep ends within budget + grace
+  prune      per-epoch values feed the study's pruner
+  pack       trials run concurrently on disjoint device slots (CUDA_VISIBLE_DEVICES; CPU slots)
+
+Spent budget is the wall-clock during which at least one worker of the study was alive: each
+worker keeps its own [start, last heartbeat] span in the study's user attributes, and spent is
+the *union* of the spans. A second worker on the same storage therefore shares the budget
+(neither counts the other's time twice), and a kill -9 stops the clock at the last heartbeat;
+the rerun finds the dead worker's RUNNING trials, stops their processes, marks them failed.
+
+Everything that waits or measures time goes through a `Clock`, and trials through a `Launcher`,
+so the budget logic is tested with simulated durations (tests/unit/test_sweep.py); the real
+launcher (draftlab.trial) runs `draftlab train` + `draftlab evaluate` in a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from draftlab.params import Params
+from draftlab.sweep_space import SpaceError, SweepSpec, trial_params
+
+WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
+CALIBRATION_ATTR = "draftlab.calibration"
+PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 6 * HEARTBEAT_S
+INTERMEDIATE_EVERY_S = 5.0
+MAX_CONSECUTIVE_REJECTIONS = 25
+
+
+class CalibrationFailed(RuntimeError):
+    """A calibration trial did not finish: the cost model cannot be built."""
+
+
+# ---------------------------------------------------------------- time and trials, injectable
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    number: int
+    values: dict[str, Any]  # the sampled dotted keys
+    params: Params  # base params with the values merged in
+    devices: list[str]
+    role: str  # "calibration" | "search"
+    trial_dir: Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    objective: float | None
+    wall_s: float
+    run_id: str | None = None
+    message: str = ""
+    timing: dict | None = None  # steps, epochs, step_s, epoch_s, tokens_per_s (from the train run)
+
+
+class Handle(Protocol):
+    pgids: list[int]
+
+    def poll(self) -> Outcome | None: ...
+    def intermediate(self) -> dict[int, float]: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    def start(self, spec: TrialSpec) -> Handle: ...
+    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None: ...
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    gpus: int
+    fixed_s: float  # process start-up, imports, vocab maps, evaluate: per trial
+    step_s: float  # one global optimizer step
+    epoch_s: float  # validation + checkpoint, per epoch
+    tokens_per_s: float  # real tokens per second while stepping, all ranks
+    steps: int
+    epochs: int
+    wall_s: float
+    trial: int
+
+    @classmethod
+    def from_outcome(cls, gpus: int, trial: int, out: Outcome) -> CalibrationPoint:
+        t = out.timing or {}
+        steps, epochs = int(t["steps"]), int(t["epochs"])
+        step_s, epoch_s = float(t["step_s"]), float(t["epoch_s"])
+        fixed = max(out.wall_s - steps * step_s - epochs * epoch_s, 0.0)
+        return cls(gpus, fixed, step_s, epoch_s, float(t["tokens_per_s"]), steps, epochs, out.wall_s, trial)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    wall_s: float
+    steps: int
+    basis: str
+
+
+class CostModel:
+    """wall(n, epochs) = fixed(n) + steps(n, epochs) × step_s(n) + epochs × epoch_s(n)."""
+
+    def __init__(self, points: dict[int, CalibrationPoint], steps_fn: Callable[[Params], int]):
+        self.points = points
+        self.steps_fn = steps_fn
+
+    def predict(self, params: Params) -> Prediction | None:
+        n = params.train.gpus
+        if not self.points:
+            return None
+        steps = self.steps_fn(params)
+        if n in self.points:
+            p, basis = self.points[n], f"calibration trial {self.points[n].trial} at {n} GPU(s)"
+        else:  # per-step time held, steps shrink with n: linear scaling from the nearest count
+            import math
+
+            p = min(self.points.values(), key=lambda q: (abs(math.log2(n / q.gpus)), -q.gpus))
+            basis = f"calibration at {p.gpus} GPU(s), scaled linearly to {n}"
+        wall = p.fixed_s + steps * p.step_s + params.train.epochs * p.epoch_s
+        return Prediction(wall, steps, basis)
+
+    def scaling_efficiency(self) -> dict[int, float]:
+        """E(n) = T(n) / (n · T(n0) / n0) against the smallest calibrated count n0."""
+        if not self.points:
+            return {}
+        n0 = min(self.points)
+        per_gpu0 = self.points[n0].tokens_per_s / n0
+        return {n: p.tokens_per_s / (n * per_gpu0) for n, p in sorted(self.points.items())}
+
+
+def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:
+    """Global steps of a trial: speculators' packing sampler over the train split's lengths at
+    the trial's world size (planning.plan_from_lengths: epoch 0 × epochs, as `plan` tables do)."""
+    from draftlab import planning
+
+    cache: dict[tuple, int] = {}
+
+    def steps(params: Params) -> int:
+        t = params.train
+        key = (t.world_size(), t.total_seq_len, t.seed)
+        if key not in cache:
+            cache[key] = planning.plan_from_lengths(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
+                                                    epochs=1, seed=t.seed, exact=False).central_total_steps
+        return cache[key] * t.epochs
+
+    return steps
+
+
+# ---------------------------------------------------------------- the shared budget
+
+
+def union_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(spans):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Ledger:
+    """This worker's span in the study, and the spent budget over all workers' spans."""
+
+    def __init__(self, study, worker_id: str, clock: Clock, *, host: str, pid: int, devices: list[str]):
+        self.study, self.worker_id, self.clock = study, worker_id, clock
+        self.entry = {"host": host, "pid": pid, "start": clock.now(), "last": clock.now(), "devices": devices}
+        self._others: dict[str, dict] = {}
+        self._written = -1e18
+        self._read = -1e18
+
+    def beat(self, force: bool = False) -> None:
+        now = self.clock.now()
+        self.entry["last"] = now
+        if force or now - self._written >= HEARTBEAT_S:
+            self.study.set_user_attr(WORKER_ATTR + self.worker_id, dict(self.entry))
+            self._written = now
+
+    def workers(self, refresh: bool = False) -> dict[str, dict]:
+        now = self.clock.now()
+        if refresh or now - self._read >= HEARTBEAT_S:
+            attrs = self.study.user_attrs
+            self._others = {k[len(WORKER_ATTR):]: v for k, v in attrs.items()
+                            if k.startswith(WORKER_ATTR) and k[len(WORKER_ATTR):] != self.worker_id}
+            self._read = now
+        return self._others
+
+    def spent_s(self) -> float:
+        spans = [(w["start"], w["last"]) for w in self.workers().values()]
+        spans.append((self.entry["start"], self.clock.now()))
+        return union_s(spans)
+
+    def is_dead(self, worker_id: str | None) -> bool:
+        if worker_id == self.worker_id:
+            return False
+        entry = self.workers(refresh=True).get(worker_id or "")
+        if entry is None:
+            return True
+        if entry["host"] == self.entry["host"] and not _pid_alive(entry["pid"]):
+            return True
+        return self.clock.now() - entry["last"] > STALE_AFTER_S
+
+
+# ---------------------------------------------------------------- one worker
+
+
+@dataclass
+class Running:
+    trial: Any  # optuna.Trial
+    spec: TrialSpec
+    handle: Handle
+    started: float
+    deadline: float
+    deadline_reason: str  # "cap" | "budget" | "calibration cap"
+    predicted_s: float | None
+    stopping: str | None = None
+    stop_at: float = 0.0
+    killed: bool = False
+    reported: set[int] = field(default_factory=set)
+    checked: float = 0.0
+
+
+@dataclass
+class Pending:
+    trial: Any
+    values: dict[str, Any]
+    params: Params
+    role: str
+
+
+class Worker:
+    """One sweep worker: its device slots, its trials, its share of the study's budget.
+    `step()` is one pass of the loop (the CLI calls it every second; tests drive it with a
+    simulated clock); it returns True when this worker is done."""
+
+    def __init__(self, spec: SweepSpec, base: Params, study, *, launcher: Launcher, clock: Clock,
+                 devices: list[str], out_dir: Path, steps_fn: Callable[[Params], int],
+                 n_trials: int | None = None, budget_s: float | None = None, log: Callable[[str], None] = print,
+                 worker_id: str | None = None, host: str | None = None, pid: int | None = None):
+        self.spec, self.base, self.study = spec, base, study
+        self.launcher, self.clock, self.devices = launcher, clock, list(devices)
+        self.out_dir, self.steps_fn, self.n_trials, self.log = out_dir, steps_fn, n_trials, log
+        self.budget_s = budget_s if budget_s is not None else spec.budget_s
+        self.cap_s = spec.trial_cap_s
+        self.worker_id = worker_id or uuid.uuid4().hex[:12]
+        self.host = host or socket.gethostname()
+        self.ledger = Ledger(study, self.worker_id, clock, host=self.host, pid=pid or os.getpid(), devices=self.devices)
+        self.running: list[Running] = []
+        self.pending: Pending | None = None
+        self.closing: str | None = None
+        self.done_reason: str | None = None
+        self.rejections_in_a_row = 0
+        self.spent = 0.0
+
+    # -------------------------------------------------------- study state
+
+    def calibration(self) -> dict[int, CalibrationPoint]:
+        raw = self.study.user_attrs.get(CALIBRATION_ATTR, {})
+        return {int(n): CalibrationPoint(**p) for n, p in raw.items()}
+
+    def model(self) -> CostModel:
+        return CostModel(self.calibration(), self.steps_fn)
+
+    def _save_calibration(self, point: CalibrationPoint) -> None:
+        raw = dict(self.study.user_attrs.get(CALIBRATION_ATTR, {}))
+        raw[str(point.gpus)] = asdict(point)
+        self.study.set_user_attr(CALIBRATION_ATTR, raw)
+
+    def start(self) -> None:
+        self.ledger.beat(force=True)
+        self.recover()
+        self._enqueue_calibration()
+
+    def recover(self) -> None:
+        """RUNNING trials of dead workers (this one's killed predecessor included): stop their
+        processes, mark them failed. Done trials stay done."""
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            owner = t.user_attrs.get("worker")
+            if not self.ledger.is_dead(owner):
+                continue
+            entry = self.ledger.workers().get(owner or "", {})
+            if t.user_attrs.get("trial_dir"):
+                self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []),
+                                   entry.get("host", ""))
+            self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
+            self.study._storage.set_trial_user_attr(
+                t._trial_id, "reason", f"worker {owner} died (last heartbeat {entry.get('last', 0):.0f}); not resumed")
+            self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            self.log(f"trial {t.number}: interrupted (its worker is gone); marked failed")
+
+    def _enqueue_calibration(self) -> None:
+        from optuna.trial import TrialState
+
+        have = self.calibration()
+        live = {t.user_attrs.get("gpus") for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
+            if t.user_attrs.get("role") == "calibration"}
+        for n in self.spec.gpu_counts(self.base):
+            if n in have or n in live or n > len(self.devices):
+                continue
+            values = self._calibration_values(n)
+            self.study.enqueue_trial(values, user_attrs={"role": "calibration", "gpus": n})
+            self.log(f"calibration: trial queued at {n} GPU(s) ({values})")
+
+    def _calibration_values(self, gpus: int) -> dict[str, Any]:
+        base = self.base.model_dump()
+        values: dict[str, Any] = {}
+        for key, dim in self.spec.space.items():
+            section, name = key.split(".", 1)
+            v = base[section][name]
+            if dim.choices is not None:
+                v = v if v in dim.choices else dim.choices[0]
+            else:
+                v = min(max(v, dim.low), dim.high)
+                v = int(v) if isinstance(base[section][name], int) else float(v)
+            values[key] = v
+        values["train.epochs"] = self.spec.calibration_epochs(self.base) if "train.epochs" in self.spec.space else None
+        values["train.gpus"] = gpus if "train.gpus" in self.spec.space else None
+        return {k: v for k, v in values.items() if v is not None}
+
+    def _suggest(self, trial) -> dict[str, Any]:
+        base = self.base.model_dump()
+        out = {}
+        for key, dim in self.spec.space.items():
+            section, name = key.split(".", 1)
+            is_int = isinstance(base[section][name], int) and not isinstance(base[section][name], bool)
+            if dim.choices is not None:
+                out[key] = trial.suggest_categorical(key, dim.choices)
+            elif is_int:
+                out[key] = trial.suggest_int(key, int(dim.low), int(dim.high), step=int(dim.step or 1), log=dim.log)
+            else:
+                out[key] = trial.suggest_float(key, dim.low, dim.high, step=dim.step, log=dim.log)
+        return out
+
+    def _trials_started(self) -> int:
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "rejected"))
+
+    # -------------------------------------------------------- the loop
+
+    def free_devices(self) -> list[str]:
+        used = {d for r in self.running for d in r.spec.devices}
+        return [d for d in self.devices if d not in used]
+
+    def min_prediction(self, model: CostModel) -> float | None:
+        lo, _ = self.spec.epochs_range(self.base)
+        preds = []
+        for n in self.spec.gpu_counts(self.base):
+            values = {"train.epochs": lo} if "train.epochs" in self.spec.space else {}
+            if "train.gpus" in self.spec.space:
+                values["train.gpus"] = n
+            p = model.predict(trial_params(self.base, values))
+            if p is not None:
+                preds.append(p.wall_s)
+        return min(preds) if preds else None
+
+    def step(self) -> bool:
+        now = self.clock.now()
+        self.ledger.beat()
+        self.spent = self.ledger.spent_s()
+        remaining = self.budget_s - self.spent
+        for r in list(self.running):
+            self._watch(r, now)
+        if self.closing is None:
+            self._start_trials(remaining)
+        if not self.running and self.pending is None:
+            if remaining <= 0:
+                self.done_reason = f"budget spent ({self.spent:,.0f} of {self.budget_s:,.0f} s)"
+            elif self.closing:
+                self.done_reason = self.closing
+        if self.done_reason:
+            self.ledger.beat(force=True)
+            return True
+        return False
+
+    def _watch(self, r: Running, now: float) -> None:
+        out = r.handle.poll()
+        if out is not None:
+            self._finish(r, out)
+            return
+        if r.stopping is None:
+            if now >= r.deadline:
+                self._stop(r, r.deadline_reason, now)
+            elif r.spec.role == "search" and now - r.checked >= INTERMEDIATE_EVERY_S:
+                r.checked = now
+                for epoch, value in sorted(r.handle.intermediate().items()):
+                    if epoch not in r.reported:
+                        r.trial.report(value, epoch)
+                        r.reported.add(epoch)
+                if r.reported and r.trial.should_prune():
+                    self._stop(r, "pruned", now)
+        elif not r.killed and now >= r.stop_at + self.spec.stop_grace_s:
+            r.handle.kill()
+            r.killed = True
+
+    def _stop(self, r: Running, reason: str, now: float) -> None:
+        r.stopping, r.stop_at = reason, now
+        r.handle.terminate()
+        self.log(f"trial {r.trial.number}: stopping ({reason}) after {now - r.started:,.0f} s; SIGTERM, "
+                 f"SIGKILL after {self.spec.stop_grace_s:g} s")
+
+    def _finish(self, r: Running, out: Outcome) -> None:
+        from optuna.trial import TrialState
+
+        self.running.remove(r)
+        n = r.spec.params.train.gpus
+        t = r.trial
+        t.set_user_attr("wall_s", round(out.wall_s, 2))
+        t.set_user_attr("gpu_hours", out.wall_s * n / 3600)
+        if out.run_id:
+            t.set_user_attr("run_id", out.run_id)
+        if r.stopping is not None:
+            status = {"pruned": "pruned", "cap": "stopped-cap", "budget": "stopped-budget"}.get(r.stopping, "stopped-cap")
+            t.set_user_attr("status", status)
+            t.set_user_attr("reason", f"stopped ({r.stopping}) after {out.wall_s:,.0f} s"
+                            + (f"; predicted {r.predicted_s:,.0f} s" if r.predicted_s else ""))
+            self.study.tell(t, state=TrialState.PRUNED)
+            self.log(f"trial {t.number}: {status} after {out.wall_s:,.0f} s")
+            if r.spec.role == "calibration":
+                self.closing = (f"calibration at {n} GPU(s) did not finish within {r.deadline - r.started:,.0f} s; "
+                                "raise calibration.max_s or the budget, or lower calibration.epochs")
+                self.done_reason = self.closing
+            return
+        if not out.ok or out.objective is None:
+            t.set_user_attr("status", "failed")
+            t.set_user_attr("reason", out.message or "trial process failed")
+            self.study.tell(t, state=TrialState.FAIL)
+            self.log(f"trial {t.number}: failed: {out.message}")
+            return
+        if r.spec.role == "calibration":
+            point = CalibrationPoint.from_outcome(n, t.number, out)
+            self._save_calibration(point)
+            self.log(f"calibration at {n} GPU(s): start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + "
+                     f"{point.epoch_s:.1f} s/epoch; {point.tokens_per_s:,.0f} tokens/s")
+        t.set_user_attr("status", "completed")
+        self.rejections_in_a_row = 0
+        self.study.tell(t, out.objective)
+        pred = f" (predicted {r.predicted_s:,.0f} s)" if r.predicted_s else ""
+        self.log(f"trial {t.number}: {self.spec.objective.metric} = {out.objective:.4f} in {out.wall_s:,.0f} s{pred}")
+
+    def _ask(self) -> Pending:
+        trial = self.study.ask()
+        trial.set_user_attr("worker", self.worker_id)
+        role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
+        values = self._suggest(trial)
+        params = trial_params(self.base, values)
+        trial.set_user_attr("role", role)
+        trial.set_user_attr("gpus", params.train.gpus)
+        trial.set_user_attr("resolved_lr", params.train.resolved_lr())
+        return Pending(trial, values, params, role)
+
+    def _reject(self, p: Pending, reason: str, predicted: float | None) -> None:
+        from optuna.trial import TrialState
+
+        p.trial.set_user_attr("status", "rejected")
+        p.trial.set_user_attr("reason", reason)
+        if predicted is not None:
+            p.trial.set_user_attr("predicted_s", round(predicted, 1))
+        self.study.tell(p.trial, state=TrialState.PRUNED)
+        self.rejections_in_a_row += 1
+        self.log(f"trial {p.trial.number}: rejected before start: {reason}")
+
+    def _start_trials(self, remaining: float) -> None:
+        model = self.model()
+        margin = 1 + self.spec.safety_margin
+        for _ in range(MAX_CONSECUTIVE_REJECTIONS + 1):
+            free = self.free_devices()
+            if not free:
+                return
+            if self.pending is None:
+                if self.n_trials is not None and self._trials_started() >= self.n_trials:
+                    self.closing = f"{self.n_trials} trial(s) run"
+                    return
+                if remaining <= 0:
+                    return
+                floor = self.min_prediction(model)
+                calibrating = len(model.points) < len([n for n in self.spec.gpu_counts(self.base)
+                                                       if n <= len(self.devices)])
+                if floor is not None and not calibrating and floor * margin > remaining:
+                    self.closing = (f"nothing fits the remaining {remaining:,.0f} s (the cheapest trial is predicted "
+                                    f"{floor:,.0f} s × {margin:g})")
+                    return
+                if self.rejections_in_a_row >= MAX_CONSECUTIVE_REJECTIONS:
+                    self.closing = f"{self.rejections_in_a_row} proposals in a row did not fit the remaining budget"
+                    return
+                self.pending = self._ask()
+            p = self.pending
+            n = p.params.train.gpus
+            if p.role == "calibration":
+                predicted, cap, why = None, min(self.spec.calibration.max_s, remaining), "calibration cap"
+            else:
+                pred = model.predict(p.params)
+                if pred is None:  # calibration still running elsewhere: wait for it
+                    if not self.running:
+                        self._wait_for_calibration(p)
+                    return
+                predicted = pred.wall_s
+                cap, why = (self.cap_s, "cap") if self.cap_s is not None and self.cap_s < remaining else (remaining, "budget")
+                if predicted * margin > cap:
+                    self.pending = None
+                    self._reject(p, f"predicted {predicted:,.0f} s × {margin:g} does not fit the {why} "
+                                 f"({cap:,.0f} s left)" if why == "budget" else
+                                 f"predicted {predicted:,.0f} s × {margin:g} exceeds the per-trial cap "
+                                 f"{cap:,.0f} s", predicted)
+                    continue
+            if n > len(free):
+                return  # wait for slots
+            self.pending = None
+            self._launch(p, free[:n], predicted, cap, why)
+        return
+
+    def _wait_for_calibration(self, p: Pending) -> None:
+        self.closing = "no calibration available (another worker's calibration failed?); rerun to calibrate"
+        from optuna.trial import TrialState
+
+        p.trial.set_user_attr("status", "rejected")
+        p.trial.set_user_attr("reason", "no calibration for its GPU count")
+        self.study.tell(p.trial, state=TrialState.PRUNED)
+        self.pending = None
+
+    def _launch(self, p: Pending, devices: list[str], predicted: float | None, cap: float, why: str) -> None:
+        now = self.clock.now()
+        trial_dir = self.out_dir / f"trial-{p.trial.number:04d}"
+        spec = TrialSpec(p.trial.number, p.values, p.params, devices, p.role, trial_dir)
+        p.trial.set_user_attr("trial_dir", str(trial_dir))
+        p.trial.set_user_attr("devices", devices)
+        if predicted is not None:
+            p.trial.set_user_attr("predicted_s", round(predicted, 1))
+        handle = self.launcher.start(spec)
+        p.trial.set_user_attr("pgids", list(handle.pgids))
+        p.trial.set_user_attr("status", "running")
+        self.running.append(Running(p.trial, spec, handle, now, now + cap, why, predicted))
+        pred = f"predicted {predicted:,.0f} s, " if predicted is not None else ""
+        self.log(f"trial {p.trial.number} ({p.role}) on {devices}: {json.dumps(p.values)}; lr resolved "
+                 f"{p.params.train.resolved_lr():.3g}; {pred}stopped at {cap:,.0f} s ({why})")
+
+    def close(self) -> None:
+        """Stop what still runs (an interrupted sweep): their trials fail, not hang RUNNING."""
+        from optuna.trial import TrialState
+
+        for r in list(self.running):
+            r.handle.kill()
+            r.trial.set_user_attr("status", "interrupted")
+            r.trial.set_user_attr("reason", "the sweep was interrupted")
+            self.study.tell(r.trial, state=TrialState.FAIL, skip_if_finished=True)
+            self.running.remove(r)
+        if self.pending is not None:
+            self._reject(self.pending, "the sweep was interrupted before it started", None)
+            self.pending = None
+        self.ledger.beat(force=True)
+
+
+def drive(worker: Worker, poll_s: float = 1.0, on_tick: Callable[[Worker], None] | None = None) -> str:
+    """Run a worker to the end; returns why it ended."""
+    worker.start()
+    try:
+        while not worker.step():
+            if on_tick:
+                on_tick(worker)
+            worker.clock.sleep(poll_s)
+    except BaseException:
+        worker.close()
+        raise
+    return worker.done_reason or "done"
+
+
+__all__ = ["SpaceError", "Worker", "drive", "CostModel", "CalibrationPoint", "union_s", "SystemClock"]

@@ -1,0 +1,242 @@
+"""One sweep trial as a process: `draftlab train` then `draftlab evaluate`, the very stage
+functions, into a nested MLflow run under the sweep's parent run.
+
+    python -m draftlab.trial --params trial-0003/params.yaml --out trial-0003 --parent-run-id <id> \
+        --target models/target --data data/prepared --store data/hidden_states
+
+The sweep starts it in its own session; `ProcessLauncher`/`ProcessHandle` are the sweep's side:
+start with the trial's devices (CUDA_VISIBLE_DEVICES on GPU hosts), watch per-epoch values in
+MLflow, stop both process groups (the trial's and torchrun's, which train.run starts in a
+session of its own) with SIGTERM then SIGKILL, and mark a killed trial's MLflow run KILLED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from draftlab.sweep import Outcome, TrialSpec
+from draftlab.util import write_json_atomic
+
+
+def step_timing(run_id: str, train_dir: Path) -> dict:
+    """Seconds per global step and per epoch boundary (validation + checkpoint), from the
+    timestamps of the run's `train/loss` records and the accounting's steps per epoch."""
+    import mlflow
+
+    history = sorted(mlflow.MlflowClient().get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    ts = {m.step: m.timestamp / 1000 for m in history}
+    acct = json.loads((train_dir / "accounting.json").read_text())
+    per_epoch = [e["steps"] for e in acct["epochs"]]
+    plan = json.loads((train_dir / "plan.json").read_text())
+    ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
+    inner = [ts[s + 1] - ts[s] for s in range(len(ts) - 1) if s in ts and s + 1 in ts and s not in ends]
+    step_s = statistics.median(inner) if inner else 0.0
+    bounds = [ts[e + 1] - ts[e] - step_s for e in ends[:-1] if e in ts and e + 1 in ts]
+    epoch_s = max(statistics.median(bounds), 0.0) if bounds else 0.0
+    tokens = statistics.mean(plan["step_tokens"]) if plan["step_tokens"] else 0.0
+    return {"steps": sum(per_epoch), "epochs": len(per_epoch), "step_s": step_s, "epoch_s": epoch_s,
+            "tokens_per_s": tokens / step_s if step_s else 0.0}
+
+
+def objective_of(metric: str, eval_metrics: dict, run_id: str) -> float:
+    if metric == "val/loss":
+        import mlflow
+
+        hist = mlflow.MlflowClient().get_metric_history(run_id, "val/loss_epoch")
+        return max(hist, key=lambda m: m.step).value
+    return float(eval_metrics[metric])
+
+
+def epoch_values(client, run_id: str, metric: str, ttt_steps: int) -> dict[int, float]:
+    """Per-epoch values of the objective's validation proxy: val/loss_epoch, or
+    1 + Σ_k val/full_acc_k_epoch for acceptance lengths (speculators' draft-vocab metric)."""
+    if metric == "val/loss":
+        return {m.step: m.value for m in client.get_metric_history(run_id, "val/loss_epoch")}
+    per_k = [{m.step: m.value for m in client.get_metric_history(run_id, f"val/full_acc_{k}_epoch")}
+             for k in range(ttt_steps)]
+    epochs = set.intersection(*(set(d) for d in per_k)) if per_k else set()
+    return {e: 1 + sum(d[e] for d in per_k) for e in sorted(epochs)}
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # train.run forwards it to torchrun's process group
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m draftlab.trial")
+    for name in ("--params", "--out", "--target", "--data", "--store", "--parent-run-id", "--study", "--metric"):
+        ap.add_argument(name, required=name not in ("--parent-run-id",))
+    ap.add_argument("--trial", type=int, required=True)
+    ap.add_argument("--role", default="search")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    from draftlab.params import ParamsError, load_params
+    from draftlab.stages import evaluate, train
+    from draftlab.tracking import MlflowTracker
+
+    out = Path(a.out)
+    started = time.time()
+    result: dict = {"ok": False}
+    try:
+        params = load_params(a.params)
+        tags = {"draftlab.sweep.study": a.study, "draftlab.sweep.trial": str(a.trial), "draftlab.sweep.role": a.role,
+                "mlflow.runName": f"{a.study}-trial-{a.trial}"}
+        if a.parent_run_id:
+            tags["mlflow.parentRunId"] = a.parent_run_id
+        tr = train.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
+                       out_dir=out / "train", run_tags=tags)
+        tracker = MlflowTracker(tr.run_id)
+        ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
+                          train_dir=out / "train", out_dir=out / "reports", tracker=tracker)
+        value = objective_of(a.metric, ev.metrics, tr.run_id)
+        timing = step_timing(tr.run_id, out / "train")
+        wall = time.time() - started
+        tracker.log_metrics({"sweep/trial_wall_s": wall, "sweep/objective": value})
+        result = {"ok": True, "objective": value, "run_id": tr.run_id, "timing": timing, "wall_s": wall}
+        rc = 0
+    except KeyboardInterrupt:
+        result = {"ok": False, "message": "stopped by the sweep (SIGTERM)"}
+        rc = 143
+    except ParamsError as err:
+        result = {"ok": False, "message": str(err)}
+        rc = 2
+    except Exception as err:  # noqa: BLE001 — the sweep records why and goes on
+        result = {"ok": False, "message": f"{type(err).__name__}: {err}"}
+        rc = 1
+    result.setdefault("wall_s", time.time() - started)
+    write_json_atomic(out / "result.json", result)
+    return rc
+
+
+# ---------------------------------------------------------------- the sweep's side
+
+
+def _signal_groups(pgids: Sequence[int], sig: int) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _torchrun_pgid(trial_dir: Path) -> int | None:
+    launch = trial_dir / "train" / "launch.json"
+    try:
+        return json.loads(launch.read_text()).get("pgid")
+    except (OSError, ValueError):
+        return None
+
+
+def _mark_run(trial_dir: Path, status: str) -> None:
+    """A trial killed mid-training leaves its MLflow run RUNNING: end it as `status`."""
+    state = trial_dir / "train" / "run.json"
+    if not state.exists():
+        return
+    import mlflow
+
+    run_id = json.loads(state.read_text()).get("run_id")
+    try:
+        client = mlflow.MlflowClient()
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status)
+    except Exception:  # noqa: BLE001 — tracking is best effort here; the study has the record
+        pass
+
+
+class ProcessHandle:
+    def __init__(self, proc: subprocess.Popen, trial_dir: Path, metric: str, ttt_steps: int, log_file):
+        self.proc, self.trial_dir, self.metric, self.ttt_steps = proc, trial_dir, metric, ttt_steps
+        self.pgids = [proc.pid]
+        self._log = log_file
+        self._started = time.time()
+
+    def _groups(self) -> list[int]:
+        torchrun = _torchrun_pgid(self.trial_dir)
+        return self.pgids + ([torchrun] if torchrun else [])
+
+    def poll(self) -> Outcome | None:
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        self._log.close()
+        _signal_groups(self._groups(), signal.SIGKILL)  # ranks never outlive their trial
+        result_path = self.trial_dir / "result.json"
+        res = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if not res.get("ok"):
+            _mark_run(self.trial_dir, "KILLED" if rc < 0 or rc == 143 else "FAILED")
+        message = res.get("message") or f"trial process exited with {rc}; see {self.trial_dir / 'trial.log'}"
+        return Outcome(bool(res.get("ok")), res.get("objective"), float(res.get("wall_s", time.time() - self._started)),
+                       res.get("run_id"), message, res.get("timing"))
+
+    def intermediate(self) -> dict[int, float]:
+        state = self.trial_dir / "train" / "run.json"
+        if not state.exists():
+            return {}
+        import mlflow
+
+        try:
+            run_id = json.loads(state.read_text())["run_id"]
+            return epoch_values(mlflow.MlflowClient(), run_id, self.metric, self.ttt_steps)
+        except Exception:  # noqa: BLE001 — a busy store: try again next time
+            return {}
+
+    def terminate(self) -> None:
+        _signal_groups(self._groups(), signal.SIGTERM)
+
+    def kill(self) -> None:
+        _signal_groups(self._groups(), signal.SIGKILL)
+
+
+class ProcessLauncher:
+    """Trials as `python -m draftlab.trial` processes, each in its own session."""
+
+    def __init__(self, *, study: str, metric: str, target_dir: Path, data_dir: Path, store_dir: Path,
+                 parent_run_id: str | None, gpu_slots: bool):
+        self.study, self.metric = study, metric
+        self.target_dir, self.data_dir, self.store_dir = target_dir, data_dir, store_dir
+        self.parent_run_id, self.gpu_slots = parent_run_id, gpu_slots
+
+    def start(self, spec: TrialSpec) -> ProcessHandle:
+        import yaml
+
+        spec.trial_dir.mkdir(parents=True, exist_ok=True)
+        params_path = spec.trial_dir / "params.yaml"
+        params_path.write_text(yaml.safe_dump(spec.params.model_dump(), sort_keys=False))
+        write_json_atomic(spec.trial_dir / "trial.json", {"number": spec.number, "values": spec.values,
+                                                          "devices": spec.devices, "role": spec.role})
+        cmd = [sys.executable, "-m", "draftlab.trial", "--params", str(params_path), "--out", str(spec.trial_dir),
+               "--target", str(self.target_dir), "--data", str(self.data_dir), "--store", str(self.store_dir),
+               "--study", self.study, "--metric", self.metric, "--trial", str(spec.number), "--role", spec.role]
+        if self.parent_run_id:
+            cmd += ["--parent-run-id", self.parent_run_id]
+        env = dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices))
+        if self.gpu_slots:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices)
+        else:  # CPU slots: one intra-op thread per rank, so trials on disjoint slots do not fight
+            env.setdefault("OMP_NUM_THREADS", "1")
+        log = open(spec.trial_dir / "trial.log", "ab")  # noqa: SIM115 — closed by the handle
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return ProcessHandle(proc, spec.trial_dir, self.metric, spec.params.train.ttt_steps, log)
+
+    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None:
+        """A dead worker's trial: stop its processes (if they run here) and end its MLflow run."""
+        if host == socket.gethostname():
+            groups = list(pgids) + ([p] if (p := _torchrun_pgid(trial_dir)) else [])
+            _signal_groups(groups, signal.SIGKILL)
+        _mark_run(trial_dir, "KILLED")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Budget logic of `draftlab sweep` on a real Optuna journal storage, with simulated trial
+durations and an injected clock: prediction, rejection before start, the cap guard, pruning,
+device packing, resume after a dead worker, and two workers sharing one budget."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.params import parse_params
+from draftlab.sweep import (STALE_AFTER_S, CalibrationPoint, CostModel, Outcome, Worker, steps_from_lengths,
+                            union_s)
+from draftlab.sweep_space import SpaceError, check_spec, parse_duration, read_spec
+from draftlab.sweep_study import open_storage, open_study, pareto_front
+
+GRACE = 10.0
+POLL = 1.0
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+# The simulated machine: start-up 20 s, 2 s per global step at 1 GPU (2.2 s at 2: communication),
+# 3 s per epoch boundary; 40 packed rows per epoch, sharded over the ranks.
+FIXED, EPOCH_S = 20.0, 3.0
+STEP_S = {1: 2.0, 2: 2.2}
+
+
+def sim_steps(params) -> int:
+    return params.train.epochs * math.ceil(40 / params.train.gpus)
+
+
+def sim_duration(params) -> float:
+    n = params.train.gpus
+    return FIXED + sim_steps(params) * STEP_S[n] + params.train.epochs * EPOCH_S
+
+
+def sim_quality(params) -> float:  # more epochs help; lr best near 3e-3
+    return 1 + 0.1 * params.train.epochs - 0.2 * abs(math.log10(params.train.lr / 3e-3))
+
+
+class SimHandle:
+    def __init__(self, launcher, spec, clock, duration, honors_sigterm):
+        self.launcher, self.spec, self.clock = launcher, spec, clock
+        self.start, self.duration, self.honors_sigterm = clock.now(), duration, honors_sigterm
+        self.pgids = [10_000 + spec.number]
+        self.terminated_at = self.killed_at = None
+
+    def poll(self):
+        now = self.clock.now()
+        if self.killed_at is not None:
+            return Outcome(False, None, self.killed_at - self.start, message="killed")
+        if self.terminated_at is not None and self.honors_sigterm and now >= self.terminated_at + 2:
+            return Outcome(False, None, now - self.start, message="stopped by the sweep (SIGTERM)")
+        if now - self.start >= self.duration:
+            p = self.spec.params
+            timing = {"steps": sim_steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
+                      "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus]}
+            return Outcome(True, sim_quality(p), self.duration, run_id=f"run{self.spec.number}", timing=timing)
+        return None
+
+    def intermediate(self):
+        elapsed = self.clock.now() - self.start
+        per_epoch = (self.duration - FIXED) / self.spec.params.train.epochs
+        done = int(max(elapsed - FIXED / 2, 0) // per_epoch)
+        return {e: self.launcher.epoch_value(self.spec.params, e) for e in range(min(done, self.spec.params.train.epochs))}
+
+    def terminate(self):
+        self.terminated_at = self.clock.now()
+
+    def kill(self):
+        if self.killed_at is None:
+            self.killed_at = self.clock.now()
+
+
+class SimLauncher:
+    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None):
+        self.clock, self.duration, self.honors_sigterm = clock, duration, honors_sigterm
+        self.epoch_value = epoch_value or (lambda p, e: sim_quality(p) - 0.05 * (p.train.epochs - e))
+        self.started: list = []  # (spec, start time, handle)
+        self.reaped: list = []
+
+    def start(self, spec):
+        h = SimHandle(self, spec, self.clock, self.duration(spec.params), self.honors_sigterm)
+        self.started.append((spec, self.clock.now(), h))
+        return h
+
+    def reap(self, trial_dir, pgids, host):
+        self.reaped.append((Path(trial_dir).name, list(pgids), host))
+
+    def max_concurrent(self) -> int:
+        events = sorted([(t, 1) for _, t, h in self.started] +
+                        [(t + (h.killed_at or h.start + h.duration) - h.start, -1) for _, t, h in self.started],
+                        key=lambda e: (e[0], e[1]))
+        cur = best = 0
+        for _, d in events:
+            cur += d
+            best = max(best, cur)
+        return best
+
+
+BASE = parse_params({"train": {"epochs": 2, "lr": 3e-3}})
+
+
+def make_spec(tmp_path, **over):
+    raw = {"study": "sim", "budget": 600, "stop_grace_s": GRACE, "safety_margin": 0.1,
+           "pruner": {"kind": "none"}, "calibration": {"epochs": 1, "max_s": 200},
+           "space": {"train.epochs": {"low": 1, "high": 4}, "train.lr": {"low": 1e-3, "high": 1e-2, "log": True},
+                     "train.gpus": {"choices": [1, 2]}}}
+    raw.update(over)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return read_spec(path)
+
+
+def make_worker(tmp_path, spec, clock, launcher, *, devices=("cpu0", "cpu1"), host="hostA", pid=None,
+                n_trials=None, journal="journal.log"):
+    study = open_study(spec, open_storage(str(tmp_path / journal)), BASE)
+    return Worker(spec, BASE, study, launcher=launcher, clock=clock, devices=list(devices), out_dir=tmp_path / "sweep",
+                  steps_fn=sim_steps, n_trials=n_trials, log=lambda line: None, host=host, pid=pid)
+
+
+def run_to_end(worker, clock, limit=100_000):
+    worker.start()
+    for _ in range(limit):
+        if worker.step():
+            return worker.done_reason
+        clock.sleep(POLL)
+    raise AssertionError("the sweep did not end")
+
+
+def statuses(study):
+    return [t.user_attrs.get("status") for t in study.get_trials()]
+
+
+# ---------------------------------------------------------------- the space file
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"space": {}}, "space: empty"),
+    ({"space": {"train.lr": {"low": 0.0, "high": 0.01}}}, "space.train.lr = 0.0"),
+    ({"space": {"train.gpus": {"choices": [1, 4]}}}, "space.train.gpus: 4 exceeds the 2 device slot(s)"),
+    ({"space": {"train.gpus": {"low": 1, "high": 2}}}, "space.train.gpus: declare choices"),
+    ({"space": {"prepare.num_samples": {"choices": [10, 20]}}}, "space.prepare.num_samples: only train.* keys"),
+    ({"space": {"train.epoch": {"low": 1, "high": 2}}}, "space.train.epoch: not a params key"),
+    ({"budget": 300}, "budget: 300 s is shorter than the calibration itself"),
+])
+def test_bad_spaces_fail_with_one_line_naming_the_key(tmp_path, over, needle):
+    spec = make_spec(tmp_path, **over)
+    with pytest.raises(SpaceError) as err:
+        check_spec(spec, BASE, num_devices=2)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_space_file_errors_and_durations(tmp_path):
+    assert parse_duration("1h30m", "budget") == 5400 and parse_duration("24h", "b") == 86400
+    assert parse_duration(90, "b") == 90
+    for bad in ("soon", "0s", "-5"):
+        with pytest.raises(SpaceError, match="budget"):
+            parse_duration(bad, "budget")
+    p = tmp_path / "s.yaml"
+    p.write_text("study: x\nbudget: 1h\nspace: {train.lr: {low: 0.01, high: 0.001}}\n")
+    with pytest.raises(SpaceError, match="low 0.01 is above high 0.001"):
+        read_spec(p)
+    p.write_text("study: x\nbudget: 1h\nspace: {train.lr: {low: 0.001, high: 0.01}}\n")
+    assert read_spec(p, budget="2h").budget_s == 7200  # a flag overrides the file
+
+
+def test_cli_bad_space_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from draftlab.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("train: {gpus: 1}\n")
+    (tmp_path / "data" / "prepared").mkdir(parents=True)
+    (tmp_path / "data" / "hidden_states").mkdir(parents=True)
+    (tmp_path / "data" / "hidden_states" / "manifest.json").write_text("{}")
+    (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\ndevices: 2\nspace:\n  train.lr: {low: -1, high: 0.01}\n")
+    result = CliRunner().invoke(app, ["sweep", "space.yaml"])
+    assert result.exit_code == 2
+    assert "space.train.lr = -1" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists(), "nothing is created for a rejected space"
+
+
+# ---------------------------------------------------------------- cost model and budget arithmetic
+
+
+def test_union_counts_overlapping_worker_spans_once():
+    assert union_s([(0, 10), (5, 15), (20, 30)]) == 25
+    assert union_s([(0, 10), (0, 10)]) == 10
+    assert union_s([]) == 0
+
+
+def test_prediction_uses_the_packing_sampler_and_the_calibrated_costs():
+    from draftlab import planning
+
+    lengths = [50 + (i * 37) % 400 for i in range(101)]
+    steps = steps_from_lengths(lengths)
+    p1 = BASE.model_copy(update={"train": BASE.train.model_copy(update={"epochs": 3, "total_seq_len": 512})})
+    p2 = p1.model_copy(update={"train": p1.train.model_copy(update={"gpus": 2})})
+    one_epoch = planning.plan_from_lengths(lengths, total_seq_len=512, world_size=1, epochs=1, exact=False)
+    assert steps(p1) == 3 * one_epoch.central_total_steps
+    assert steps(p2) < steps(p1), "two ranks shard the data: fewer global steps"
+    point = CalibrationPoint(1, fixed_s=30, step_s=0.5, epoch_s=4, tokens_per_s=900, steps=10, epochs=1, wall_s=39, trial=0)
+    pred = CostModel({1: point}, steps).predict(p1)
+    assert pred.wall_s == pytest.approx(30 + steps(p1) * 0.5 + 3 * 4)
+    scaled = CostModel({1: point}, steps).predict(p2)
+    assert "scaled linearly" in scaled.basis and scaled.wall_s < pred.wall_s
+
+
+def test_calibration_point_reproduces_the_calibration_trial():
+    out = Outcome(True, 1.5, wall_s=100.0, timing={"steps": 20, "epochs": 2, "step_s": 2.0, "epoch_s": 5.0,
+                                                    "tokens_per_s": 800})
+    p = CalibrationPoint.from_outcome(1, 0, out)
+    assert p.fixed_s == pytest.approx(50.0)
+    base1 = BASE.model_copy(update={"train": BASE.train.model_copy(update={"epochs": 2})})
+    assert CostModel({1: p}, lambda params: 20).predict(base1).wall_s == pytest.approx(100.0)
+
+
+def test_scaling_efficiency_is_logged_per_gpu_count():
+    pts = {n: CalibrationPoint(n, 10, 1, 1, tps, 10, 1, 30, n) for n, tps in ((1, 1000.0), (2, 1800.0), (4, 3000.0))}
+    eff = CostModel(pts, lambda p: 1).scaling_efficiency()
+    assert eff == pytest.approx({1: 1.0, 2: 0.9, 4: 0.75})
+
+
+def test_pareto_front_keeps_only_undominated_trials():
+    rows = [{"number": i, "status": "completed", "gpu_hours": h, "value": v}
+            for i, (h, v) in enumerate([(1, 1.2), (2, 1.1), (2, 1.5), (4, 1.6), (3, 1.4)])]
+    rows.append({"number": 9, "status": "rejected", "gpu_hours": None, "value": None})
+    assert [r["number"] for r in pareto_front(rows, maximize=True)] == [0, 2, 3]
+
+
+# ---------------------------------------------------------------- the sweep loop, simulated
+
+
+def test_calibrates_each_gpu_count_then_predicts_within_the_margin(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    w = make_worker(tmp_path, make_spec(tmp_path), clock, launcher)
+    run_to_end(w, clock)
+    trials = w.study.get_trials()
+    cal = [t for t in trials if t.user_attrs.get("role") == "calibration"]
+    assert sorted(t.user_attrs["gpus"] for t in cal) == [1, 2]
+    assert all(t.params["train.epochs"] == 1 and t.params["train.lr"] == pytest.approx(3e-3) for t in cal)
+    assert set(w.calibration()) == {1, 2}
+    for t in trials:
+        if t.user_attrs.get("role") == "search" and t.user_attrs.get("status") == "completed":
+            assert t.user_attrs["predicted_s"] == pytest.approx(t.user_attrs["wall_s"], abs=0.2)
+            assert t.user_attrs["resolved_lr"] == pytest.approx(t.params["train.lr"])
+
+
+def test_never_over_budget_rejects_what_cannot_fit_before_it_starts(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=900)
+    w = make_worker(tmp_path, spec, clock, launcher)
+    t0 = clock.now()
+    run_to_end(w, clock)
+    assert clock.now() - t0 <= 900 + GRACE + 2 * POLL
+    assert w.ledger.spent_s() == pytest.approx(clock.now() - t0)
+    rejected = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "rejected"]
+    assert rejected, "late proposals that cannot finish are rejected"
+    started_numbers = {s.number for s, _, _ in launcher.started}
+    for t in rejected:
+        assert t.number not in started_numbers, "a rejected trial costs nothing: never launched"
+        assert "does not fit the budget" in t.user_attrs["reason"] or "cap" in t.user_attrs["reason"]
+    for spec_, start, h in launcher.started:  # every launched trial ends before budget + grace
+        end = start + (h.killed_at - h.start if h.killed_at else h.duration)
+        assert end - t0 <= 900 + GRACE + 2 * POLL
+
+
+def test_a_trial_that_overruns_its_cap_is_stopped_then_killed(tmp_path):
+    clock = FakeClock()
+
+    def slow_at_high_lr(params):  # the cost model cannot know: this one runs 5x longer than calibrated
+        return sim_duration(params) * (5 if params.train.lr > 5e-3 else 1)
+
+    launcher = SimLauncher(clock, duration=slow_at_high_lr, honors_sigterm=False)
+    spec = make_spec(tmp_path, budget=2000, trial_cap="150s",
+                     space={"train.epochs": {"choices": [1]}, "train.lr": {"choices": [3e-3, 8e-3]},
+                            "train.gpus": {"choices": [1]}})
+    w = make_worker(tmp_path, spec, clock, launcher, n_trials=4)
+    run_to_end(w, clock)
+    stopped = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "stopped-cap"]
+    assert stopped, statuses(w.study)
+    for t in stopped:
+        h = next(h for s, _, h in launcher.started if s.number == t.number)
+        assert h.terminated_at - h.start == pytest.approx(150, abs=POLL), "SIGTERM at the cap"
+        assert h.killed_at - h.terminated_at == pytest.approx(GRACE, abs=POLL), "SIGKILL after the stated grace"
+        assert t.state.name == "PRUNED"
+
+
+def test_pruner_stops_trials_whose_epochs_fall_behind(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock, epoch_value=lambda p, e: (0.1 if p.train.lr > 5e-3 else 1.0) + 0.01 * e)
+    spec = make_spec(tmp_path, budget=5000, pruner={"kind": "median", "startup_trials": 2, "warmup_epochs": 0},
+                     space={"train.epochs": {"choices": [4]}, "train.lr": {"choices": [2e-3, 9e-3]},
+                            "train.gpus": {"choices": [1]}}, calibration={"epochs": 4, "max_s": 400})
+    w = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",), n_trials=8)
+    run_to_end(w, clock)
+    pruned = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "pruned"]
+    assert pruned and all(t.params["train.lr"] == 9e-3 for t in pruned)
+    for t in pruned:
+        h = next(h for s, _, h in launcher.started if s.number == t.number)
+        assert h.terminated_at - h.start < h.duration, "stopped before it would have finished"
+
+
+def test_trials_pack_onto_disjoint_device_slots(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=3000, space={"train.epochs": {"low": 1, "high": 2}, "train.gpus": {"choices": [1, 2]}})
+    w = make_worker(tmp_path, spec, clock, launcher, devices=("0", "1", "2"), n_trials=10)
+    run_to_end(w, clock)
+    assert launcher.max_concurrent() >= 2, "a 3-slot worker runs trials side by side"
+    spans = [(t, t + (h.killed_at or h.start + h.duration) - h.start, set(s.devices)) for s, t, h in launcher.started]
+    for i, (a0, a1, da) in enumerate(spans):
+        assert len(da) == next(s for s, _, _ in launcher.started if set(s.devices) == da).params.train.gpus
+        for b0, b1, db in spans[i + 1:]:
+            if a0 < b1 and b0 < a1:
+                assert not (da & db), "overlapping trials never share a device"
+
+
+def test_resume_after_kill9_marks_the_orphan_failed_and_does_not_redo_or_recount(tmp_path):
+    clock = FakeClock()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=900)
+    a = make_worker(tmp_path, spec, clock, launcher, pid=dead.pid)  # its pid is gone: a kill -9 victim
+    a.start()
+    while len([t for t in a.study.get_trials() if t.state.name == "COMPLETE"]) < 3 or not a.running:
+        a.step()
+        clock.sleep(POLL)
+    orphan = a.running[0].trial.number
+    done_before = {t.number for t in a.study.get_trials() if t.state.name == "COMPLETE"}
+    spent_a = a.ledger.spent_s()
+    a.ledger.beat(force=True)
+    clock.sleep(600)  # the machine is down for 10 minutes: not the sweep's time
+
+    b = make_worker(tmp_path, spec, clock, launcher)
+    started_before = len(launcher.started)
+    b.start()
+    t = b.study.get_trials()[orphan]
+    assert t.state.name == "FAIL" and t.user_attrs["status"] == "interrupted"
+    assert launcher.reaped and launcher.reaped[0][0] == f"trial-{orphan:04d}" and launcher.reaped[0][1] == [10_000 + orphan]
+    assert b.ledger.spent_s() == pytest.approx(spent_a), "the downtime is not spent budget, the past is counted once"
+    run_to_end(b, clock)
+    relaunched = {s.number for s, _, _ in launcher.started[started_before:]}
+    assert not (relaunched & done_before), "completed trials are not redone"
+    assert not any(s.role == "calibration" for s, _, _ in launcher.started[started_before:]), "calibration is cached"
+    assert b.ledger.spent_s() <= 900 + GRACE + 2 * POLL
+
+
+def test_two_workers_share_one_budget(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=1200, space={"train.epochs": {"low": 1, "high": 3},
+                                                    "train.gpus": {"choices": [1, 2]}})
+    a = make_worker(tmp_path, spec, clock, launcher, host="hostA", devices=("0", "1"))
+    a.start()
+    for _ in range(300):  # worker B joins 300 s later, on another host, same storage
+        a.step()
+        clock.sleep(POLL)
+    b = make_worker(tmp_path, spec, clock, launcher, host="hostB", devices=("0", "1"))
+    b.start()
+    t0 = clock.now() - 300
+    done = {a: False, b: False}
+    while not all(done.values()):
+        for w in (a, b):
+            if not done[w]:
+                done[w] = w.step()
+        clock.sleep(POLL)
+    end = clock.now() - t0
+    assert end <= 1200 + GRACE + 3 * POLL, "B stops at the shared budget, not 1200 s after it joined"
+    assert a.ledger.spent_s() == pytest.approx(b.ledger.spent_s(), abs=STALE_AFTER_S)
+    assert len({s.number for s, _, _ in launcher.started}) == len(launcher.started), "no trial runs twice"
+    assert not [t for t in a.study.get_trials() if t.user_attrs.get("role") == "calibration"
+                and t.user_attrs.get("worker") == b.worker_id], "B reuses A's calibration"
+    hosts = {t.user_attrs.get("worker") for t in a.study.get_trials() if t.user_attrs.get("status") == "completed"}
+    assert len(hosts) == 2, "both workers ran trials"
