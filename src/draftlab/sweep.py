@@ -433,13 +433,16 @@ class Worker:
         if r.stopping is None:
             if now >= r.deadline:
                 self._stop(r, r.deadline_reason, now)
-            elif r.spec.role == "search" and now - r.checked >= INTERMEDIATE_EVERY_S:
+            elif now - r.checked >= INTERMEDIATE_EVERY_S:
                 r.checked = now
                 for epoch, value in sorted(r.handle.intermediate().items()):
                     if epoch not in r.reported:
                         r.trial.report(value, epoch)
                         r.reported.add(epoch)
-                if r.reported and r.trial.should_prune():
+                # calibration trials are never pruned (their timing is the cost model); after the
+                # last epoch only evaluation is left, so stopping would save nothing
+                more_epochs = r.reported and max(r.reported) < r.spec.params.train.epochs - 1
+                if r.spec.role == "search" and more_epochs and r.trial.should_prune():
                     self._stop(r, "pruned", now)
         elif not r.killed and now >= r.stop_at + self.spec.stop_grace_s:
             r.handle.kill()

@@ -57,12 +57,16 @@ def objective_of(metric: str, eval_metrics: dict, run_id: str) -> float:
 
 
 def epoch_values(client, run_id: str, metric: str, ttt_steps: int) -> dict[int, float]:
-    """Per-epoch values of the objective's validation proxy: val/loss_epoch, or
-    1 + Σ_k val/full_acc_k_epoch for acceptance lengths (speculators' draft-vocab metric)."""
+    """Per-epoch values (epoch index → value) of the objective's validation proxy: val/loss_epoch,
+    or 1 + Σ_k val/full_acc_k_epoch for acceptance lengths (speculators' draft-vocab metric).
+    speculators logs them at the epoch's last global step; the i-th record is epoch i."""
+    def by_epoch(key: str) -> dict[int, float]:
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        return {i: m.value for i, m in enumerate(history)}
+
     if metric == "val/loss":
-        return {m.step: m.value for m in client.get_metric_history(run_id, "val/loss_epoch")}
-    per_k = [{m.step: m.value for m in client.get_metric_history(run_id, f"val/full_acc_{k}_epoch")}
-             for k in range(ttt_steps)]
+        return by_epoch("val/loss_epoch")
+    per_k = [by_epoch(f"val/full_acc_{k}_epoch") for k in range(ttt_steps)]
     epochs = set.intersection(*(set(d) for d in per_k)) if per_k else set()
     return {e: 1 + sum(d[e] for d in per_k) for e in sorted(epochs)}
 

@@ -44,3 +44,20 @@ def test_use_command_writes_the_profile_into_params(tmp_path):
     result = CliRunner().invoke(app, ["use", str(bad), "--params", str(params)])
     assert result.exit_code == 2 and "train.gpus" in result.output
     assert params.read_text() == before
+
+
+SWEEPS = sorted((REPO / "experiments").glob("sweep-*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[p.name for p in SWEEPS])
+def test_sweep_spaces_pass_their_own_checks(path):
+    """Each sweep space is valid against the params it is meant for (the Kimi one after `draftlab use`)."""
+    from draftlab.sweep_space import check_spec, read_spec
+
+    spec = read_spec(path)
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    if "kimi" in path.name:
+        base = merge(base, yaml.safe_load((REPO / "experiments/kimi-k2.5-8gpu.yaml").read_text()))
+    params = parse_params(base)
+    check_spec(spec, params, num_devices=max(spec.gpu_counts(params)))
+    assert {"train.epochs", "train.lr", "train.gpus"} <= set(spec.space)

@@ -1,0 +1,124 @@
+"""`draftlab sweep` for real: the CLI, real trial processes (draftlab train under torchrun +
+draftlab evaluate), a real Optuna journal, a real MLflow store written by concurrent trials;
+kill -9 of the sweep mid-trial, then the same command again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+BUDGET_S = 240
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
+    import mlflow
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    params, target_dir, data_dir, store_dir = built
+    raw = params.model_dump()
+    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64, "num_workers": 0})
+    raw["evaluate"].update({"num_prompts": 4, "max_new_tokens": 12})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({
+        "study": "it", "params": "params.yaml", "budget": BUDGET_S, "devices": 2, "stop_grace_s": 5,
+        "pruner": {"kind": "none"}, "calibration": {"epochs": 1, "max_s": 150},
+        # one GPU count: two trials share the two slots, so two processes write the sqlite store at once
+        "space": {"train.epochs": {"low": 1, "high": 2}, "train.lr": {"low": 1e-3, "high": 1e-2, "log": True},
+                  "train.gpus": {"choices": [1]}}}))
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "draftlab.cli", "sweep", "space.yaml", "--target", str(target_dir),
+           "--data", str(data_dir), "--store", str(store_dir), "--out", "sweeps"]
+    study_dir = tmp_path / "sweeps" / "it"
+
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    t_first = time.time()
+    # kill -9 once a search trial's ranks run (the calibration trial, number 0, has finished)
+    victim = _wait(lambda: next((p.parent.parent for p in sorted(study_dir.glob("trial-*/train/launch.json"))
+                                 if p.parent.parent.name != "trial-0000"), None), 200, "a search trial's torchrun")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    out_first = first.stdout.read().decode()
+    wall_first = time.time() - t_first
+    assert "calibration at 1 GPU(s)" in out_first, out_first
+    torchrun_pgid = json.loads((victim / "train" / "launch.json").read_text())["pgid"]
+    time.sleep(3)  # downtime: not the sweep's time
+
+    t_second = time.time()
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BUDGET_S + 200)
+    wall_second = time.time() - t_second
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out
+    assert "interrupted" in out
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(study_dir / "journal.log")))
+    study = optuna.load_study(study_name="it", storage=storage)
+    trials = study.get_trials()
+    by_dir = {t.user_attrs.get("trial_dir"): t for t in trials}
+    killed = by_dir[str(Path("sweeps/it") / victim.name)] if str(Path("sweeps/it") / victim.name) in by_dir else \
+        next(t for t in trials if t.user_attrs.get("trial_dir", "").endswith(victim.name))
+    assert killed.state.name == "FAIL" and killed.user_attrs["status"] == "interrupted"
+    assert not _alive(torchrun_pgid), "the killed sweep's orphaned ranks were stopped"
+    assert not any(t.state.name == "RUNNING" for t in trials)
+    calibrations = [t for t in trials if t.user_attrs.get("role") == "calibration"]
+    assert len(calibrations) == 1 and calibrations[0].state.name == "COMPLETE", "calibration is cached, not redone"
+    assert len({t.user_attrs.get("trial_dir") for t in trials if t.user_attrs.get("trial_dir")}) == \
+        len([t for t in trials if t.user_attrs.get("trial_dir")]), "no trial folder is used twice"
+
+    summary = json.loads((study_dir / "report" / "summary.json").read_text())
+    assert summary["spent_s"] <= BUDGET_S + 5 + 10, summary  # budget + stated grace + a poll and a heartbeat
+    assert summary["spent_s"] <= wall_first + wall_second + 1, "the downtime between the runs is not counted"
+    assert summary["spent_s"] >= wall_first - 6, "the first run's time is still counted after the kill"
+    rows = (study_dir / "report" / "trials.csv").read_text().splitlines()
+    assert len(rows) == len(trials) + 1 and "interrupted" in "\n".join(rows)
+    assert summary["trials"]["completed"] >= 2
+
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("draftlab")
+    parents = client.search_runs([exp.experiment_id], "tags.`draftlab.stage` = 'sweep'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0].info.run_id
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
+    started = [t for t in trials if t.user_attrs.get("run_id") or t.user_attrs.get("status") == "interrupted"]
+    assert len(children) >= len([t for t in trials if t.state.name == "COMPLETE"])
+    statuses = {c.data.tags["draftlab.sweep.trial"]: c.info.status for c in children}
+    assert statuses[str(killed.number)] == "KILLED"
+    for t in trials:
+        if t.state.name == "COMPLETE":
+            assert statuses[str(t.number)] == "FINISHED"
+            child = next(c for c in children if c.data.tags["draftlab.sweep.trial"] == str(t.number))
+            assert float(child.data.params["train.resolved_lr"]) == pytest.approx(t.params["train.lr"])
+            assert "eval/simulated_acc_len" in child.data.metrics
+    assert started
+    artifacts = {a.path for a in client.list_artifacts(parent, "sweep")}
+    assert {"sweep/trials.csv", "sweep/summary.json", "sweep/best_params.json", "sweep/pareto.png"} <= artifacts
+    assert "sweep/best_value" in client.get_run(parent).data.metrics
