@@ -88,6 +88,8 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
         next(t for t in trials if t.user_attrs.get("trial_dir", "").endswith(victim.name))
     assert killed.state.name == "FAIL" and killed.user_attrs["status"] == "interrupted"
     assert not _alive(torchrun_pgid), "the killed sweep's orphaned ranks were stopped"
+    assert not (victim / "result.json").exists() and not (victim / "train" / "train.json").exists(), \
+        "the orphaned trial was stopped at the rerun's start, not left to finish on its own"
     assert not any(t.state.name == "RUNNING" for t in trials)
     calibrations = [t for t in trials if t.user_attrs.get("role") == "calibration"]
     assert len(calibrations) == 1 and calibrations[0].state.name == "COMPLETE", "calibration is cached, not redone"
