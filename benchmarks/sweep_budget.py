@@ -134,7 +134,8 @@ def main(argv=None) -> None:
             res = (plain_optuna(args, spec, base, tmp, str(r)) if name == "plain"
                    else draftlab_sweep(args, spec, tmp, str(r)))
             rows[name].append(res)
-            print(f"repeat {r} {name:8s}: wall {res['wall_s']:7.1f} s, overrun {res['overrun_s']:6.1f} s "
+            spent = f" (budget spent {res['spent_s']:.1f} s)" if "spent_s" in res else ""
+            print(f"repeat {r} {name:8s}: wall {res['wall_s']:7.1f} s{spent}, overrun {res['overrun_s']:6.1f} s "
                   f"({100 * res['overrun_s'] / spec.budget_s:4.1f}%), completed {res['completed']}, rejected "
                   f"{res['rejected']}, stopped/pruned {res['stopped']}, best {res['best']}", flush=True)
     print(f"\nover {args.repeats} repeat(s), median (min–max); budget {spec.budget_s:,.0f} s")

@@ -46,6 +46,7 @@ HEARTBEAT_S = 5.0
 STALE_AFTER_S = 6 * HEARTBEAT_S
 INTERMEDIATE_EVERY_S = 5.0
 MAX_CONSECUTIVE_REJECTIONS = 25
+QUEUE_DEPTH = 2  # asked trials waiting for slots: the head, and one that may backfill
 
 
 class CalibrationFailed(RuntimeError):
@@ -297,7 +298,7 @@ class Worker:
         self.host = host or socket.gethostname()
         self.ledger = Ledger(study, self.worker_id, clock, host=self.host, pid=pid or os.getpid(), devices=self.devices)
         self.running: list[Running] = []
-        self.pending: Pending | None = None
+        self.queue: list[Pending] = []  # asked, not yet started; the head has priority
         self.closing: str | None = None
         self.done_reason: str | None = None
         self.rejections_in_a_row = 0
@@ -415,7 +416,7 @@ class Worker:
             self._watch(r, now)
         if self.closing is None:
             self._start_trials(remaining)
-        if not self.running and self.pending is None:
+        if not self.running and not self.queue:
             if remaining <= 0:
                 self.done_reason = f"budget spent ({self.spent:,.0f} of {self.budget_s:,.0f} s)"
             elif self.closing:
@@ -516,53 +517,81 @@ class Worker:
         self.log(f"trial {p.trial.number}: rejected before start: {reason}")
 
     def _start_trials(self, remaining: float) -> None:
+        """Launch queued trials that fit, reject those that cannot, ask for more while slots are
+        free. The queue's head keeps priority; a later trial may backfill free slots only if it is
+        predicted to end before the head's slots free up (EASY backfilling), so it never delays it."""
         model = self.model()
         margin = 1 + self.spec.safety_margin
         for _ in range(MAX_CONSECUTIVE_REJECTIONS + 1):
-            free = self.free_devices()
-            if not free:
+            for p in list(self.queue):
+                if not self.free_devices():
+                    return
+                if self._admit(p, model, remaining, margin, head=p is self.queue[0]) == "stop":
+                    return
+            if not self.free_devices() or len(self.queue) >= QUEUE_DEPTH:
                 return
-            if self.pending is None:
-                if self.n_trials is not None and self._trials_started() >= self.n_trials:
+            if self.n_trials is not None and self._trials_started() + len(self.queue) >= self.n_trials:
+                if not self.queue:
                     self.closing = f"{self.n_trials} trial(s) run"
-                    return
-                if remaining <= 0:
-                    return
-                floor = self.min_prediction(model)
-                calibrating = len(model.points) < len([n for n in self.spec.gpu_counts(self.base)
-                                                       if n <= len(self.devices)])
-                if floor is not None and not calibrating and floor * margin > remaining:
+                return
+            if remaining <= 0:
+                return
+            floor = self.min_prediction(model)
+            calibrating = len(model.points) < len([n for n in self.spec.gpu_counts(self.base) if n <= len(self.devices)])
+            if floor is not None and not calibrating and floor * margin > remaining:
+                if not self.queue:
                     self.closing = (f"nothing fits the remaining {remaining:,.0f} s (the cheapest trial is predicted "
                                     f"{floor:,.0f} s × {margin:g})")
-                    return
-                if self.rejections_in_a_row >= MAX_CONSECUTIVE_REJECTIONS:
+                return
+            if self.rejections_in_a_row >= MAX_CONSECUTIVE_REJECTIONS:
+                if not self.queue:
                     self.closing = f"{self.rejections_in_a_row} proposals in a row did not fit the remaining budget"
-                    return
-                self.pending = self._ask()
-            p = self.pending
-            n = p.params.train.gpus
-            if p.role == "calibration":
-                predicted, cap, why = None, min(self.spec.calibration.max_s, remaining), "calibration cap"
-            else:
-                pred = model.predict(p.params)
-                if pred is None:  # calibration still running elsewhere: wait for it
-                    if not self.running:
-                        self._wait_for_calibration(p)
-                    return
-                predicted = pred.wall_s
-                cap, why = (self.cap_s, "cap") if self.cap_s is not None and self.cap_s < remaining else (remaining, "budget")
-                if predicted * margin > cap:
-                    self.pending = None
-                    self._reject(p, f"predicted {predicted:,.0f} s × {margin:g} does not fit the {why} "
-                                 f"({cap:,.0f} s left)" if why == "budget" else
-                                 f"predicted {predicted:,.0f} s × {margin:g} exceeds the per-trial cap "
-                                 f"{cap:,.0f} s", predicted)
-                    continue
-            if n > len(free):
-                return  # wait for slots
-            self.pending = None
-            self._launch(p, free[:n], predicted, cap, why)
-        return
+                return
+            self.queue.append(self._ask())
+
+    def _head_start_at(self, gpus: int) -> float:
+        """When `gpus` slots will be free, from the running trials' predicted ends (caps if unknown)."""
+        free = len(self.free_devices())
+        if free >= gpus:
+            return self.clock.now()
+        for end, n in sorted((r.started + r.predicted_s if r.predicted_s else r.deadline, len(r.spec.devices))
+                             for r in self.running):
+            free += n
+            if free >= gpus:
+                return end
+        return float("inf")
+
+    def _admit(self, p: Pending, model: CostModel, remaining: float, margin: float, *, head: bool) -> str:
+        """Reject, launch, or leave `p` queued: "rejected" | "launched" | "wait" | "stop"."""
+        n = p.params.train.gpus
+        free = self.free_devices()
+        if p.role == "calibration":
+            predicted, cap, why = None, min(self.spec.calibration.max_s, remaining), "calibration cap"
+        else:
+            pred = model.predict(p.params)
+            if pred is None:  # its calibration runs here or on another worker: wait for it
+                if not self.running:
+                    self._wait_for_calibration(p)
+                return "stop"
+            predicted = pred.wall_s
+            cap, why = (self.cap_s, "cap") if self.cap_s is not None and self.cap_s < remaining else (remaining, "budget")
+            if predicted * margin > cap:
+                self.queue.remove(p)
+                self._reject(p, f"predicted {predicted:,.0f} s × {margin:g} does not fit the {why} "
+                             f"({cap:,.0f} s left)" if why == "budget" else
+                             f"predicted {predicted:,.0f} s × {margin:g} exceeds the per-trial cap {cap:,.0f} s",
+                             predicted)
+                return "rejected"
+        if n > len(free):
+            return "wait"
+        if not head:
+            first = self.queue[0]
+            ends = self.clock.now() + (predicted * margin if predicted is not None else cap)
+            if ends > self._head_start_at(first.params.train.gpus):
+                return "wait"
+        self.queue.remove(p)
+        self._launch(p, free[:n], predicted, cap, why)
+        return "launched"
 
     def _wait_for_calibration(self, p: Pending) -> None:
         self.closing = "no calibration available (another worker's calibration failed?); rerun to calibrate"
@@ -571,7 +600,7 @@ class Worker:
         p.trial.set_user_attr("status", "rejected")
         p.trial.set_user_attr("reason", "no calibration for its GPU count")
         self.study.tell(p.trial, state=TrialState.PRUNED)
-        self.pending = None
+        self.queue.remove(p)
 
     def _launch(self, p: Pending, devices: list[str], predicted: float | None, cap: float, why: str) -> None:
         now = self.clock.now()
@@ -599,9 +628,9 @@ class Worker:
             r.trial.set_user_attr("reason", "the sweep was interrupted")
             self.study.tell(r.trial, state=TrialState.FAIL, skip_if_finished=True)
             self.running.remove(r)
-        if self.pending is not None:
-            self._reject(self.pending, "the sweep was interrupted before it started", None)
-            self.pending = None
+        for p in list(self.queue):
+            self._reject(p, "the sweep was interrupted before it started", None)
+        self.queue.clear()
         self.ledger.beat(force=True)
 
 

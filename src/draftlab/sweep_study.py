@@ -106,6 +106,13 @@ def parent_run(study, spec: SweepSpec, storage_text: str) -> str:
     run = client.create_run(exp.experiment_id, run_name=f"sweep-{spec.study}",
                             tags={**git_tags(), "draftlab.stage": "sweep", "optuna.study": spec.study,
                                   "optuna.storage": storage_text})
+    from draftlab.tracking import MlflowTracker
+
+    MlflowTracker(run.info.run_id).log_params(
+        {"sweep.objective": f"{spec.objective.direction} {spec.objective.metric}", "sweep.params": spec.params,
+         "sweep.space": json.dumps({k: v.model_dump(exclude_none=True) for k, v in spec.space.items()}),
+         "sweep.safety_margin": spec.safety_margin, "sweep.stop_grace_s": spec.stop_grace_s,
+         "sweep.pruner": spec.pruner.kind})
     study.set_user_attr(PARENT_RUN_ATTR, run.info.run_id)
     return study.user_attrs[PARENT_RUN_ATTR]
 

@@ -391,3 +391,24 @@ def test_two_workers_share_one_budget(tmp_path):
                 and t.user_attrs.get("worker") == b.worker_id], "B reuses A's calibration"
     hosts = {t.user_attrs.get("worker") for t in a.study.get_trials() if t.user_attrs.get("status") == "completed"}
     assert len(hosts) == 2, "both workers ran trials"
+
+
+def test_a_short_trial_backfills_free_slots_without_delaying_a_waiting_wider_one(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=5000)
+    w = make_worker(tmp_path, spec, clock, launcher, n_trials=6)
+    w.start()  # queues the two calibration trials first
+    for epochs, gpus in ((4, 1), (2, 2), (1, 1), (4, 1)):  # A long 1-GPU, B 2-GPU, C short 1-GPU, D long 1-GPU
+        w.study.enqueue_trial({"train.epochs": epochs, "train.lr": 3e-3, "train.gpus": gpus})
+    for _ in range(100_000):
+        if w.step():
+            break
+        clock.sleep(POLL)
+    start = {s.number: t for s, t, _ in launcher.started}
+    end = {s.number: t + h.duration for s, t, h in launcher.started}
+    a, b, c, d = 2, 3, 4, 5
+    assert start[c] < start[b], "C fits in the free slot and ends before A: it backfills"
+    assert end[c] <= end[a]
+    assert start[b] == pytest.approx(end[a], abs=2 * POLL), "B starts as soon as A frees its slot"
+    assert start[d] >= start[b], "D would outlast A and delay B: it waits"
