@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from draftlab.sweep import Outcome, TrialSpec
+from draftlab.sweep_budget import Outcome, TrialSpec
 from draftlab.util import write_json_atomic
 
 

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from draftlab.params import parse_params
-from draftlab.sweep import (STALE_AFTER_S, CalibrationPoint, CostModel, Outcome, Worker, steps_from_lengths,
+from draftlab.sweep import Worker
+from draftlab.sweep_budget import (STALE_AFTER_S, CalibrationPoint, CostModel, Outcome, steps_from_lengths,
                             union_s)
 from draftlab.sweep_space import SpaceError, check_spec, parse_duration, read_spec
 from draftlab.sweep_study import open_storage, open_study, pareto_front
@@ -412,3 +413,18 @@ def test_a_short_trial_backfills_free_slots_without_delaying_a_waiting_wider_one
     assert end[c] <= end[a]
     assert start[b] == pytest.approx(end[a], abs=2 * POLL), "B starts as soon as A frees its slot"
     assert start[d] >= start[b], "D would outlast A and delay B: it waits"
+
+
+def test_per_epoch_values_are_indexed_by_epoch_not_global_step():
+    """speculators logs val/*_epoch at the epoch's last global step (5, 10, 15): the pruner
+    must compare trials epoch by epoch, whatever their GPU count's steps per epoch."""
+    from types import SimpleNamespace
+
+    from draftlab.trial import epoch_values
+
+    history = {"val/full_acc_0_epoch": [(10, 0.5), (5, 0.3)], "val/full_acc_1_epoch": [(5, 0.1), (10, 0.2)],
+               "val/loss_epoch": [(5, 3.0), (10, 2.5)]}
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: [SimpleNamespace(step=s, value=v)
+                                                                     for s, v in history[key]])
+    assert epoch_values(client, "r", "eval/simulated_acc_len", ttt_steps=2) == pytest.approx({0: 1.4, 1: 1.7})
+    assert epoch_values(client, "r", "val/loss", ttt_steps=2) == {0: 3.0, 1: 2.5}

@@ -1,0 +1,222 @@
+"""What a sweep measures time, trials and budget with: the injectable clock and trial
+interfaces, the calibrated cost model, and the ledger of spent budget shared by all workers of a
+study (see draftlab.sweep for how the loop uses them).
+
+Spent budget is the wall-clock during which at least one worker of the study was alive: each
+worker keeps its own [start, last heartbeat] span in the study's user attributes, and spent is
+the *union* of the spans. A second worker on the same storage therefore shares the budget
+(neither counts the other's time twice), and a kill -9 stops the clock at the last heartbeat.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from draftlab.params import Params
+
+WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 6 * HEARTBEAT_S
+
+
+# ---------------------------------------------------------------- time and trials, injectable
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    number: int
+    values: dict[str, Any]  # the sampled dotted keys
+    params: Params  # base params with the values merged in
+    devices: list[str]
+    role: str  # "calibration" | "search"
+    trial_dir: Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    objective: float | None
+    wall_s: float
+    run_id: str | None = None
+    message: str = ""
+    timing: dict | None = None  # steps, epochs, step_s, epoch_s, tokens_per_s (from the train run)
+
+
+class Handle(Protocol):
+    pgids: list[int]
+
+    def poll(self) -> Outcome | None: ...
+    def intermediate(self) -> dict[int, float]: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    def start(self, spec: TrialSpec) -> Handle: ...
+    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None: ...
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    gpus: int
+    fixed_s: float  # process start-up, imports, vocab maps, evaluate: per trial
+    step_s: float  # one global optimizer step
+    epoch_s: float  # validation + checkpoint, per epoch
+    tokens_per_s: float  # real tokens per second while stepping, all ranks
+    steps: int
+    epochs: int
+    wall_s: float
+    trial: int
+
+    @classmethod
+    def from_outcome(cls, gpus: int, trial: int, out: Outcome) -> CalibrationPoint:
+        t = out.timing or {}
+        steps, epochs = int(t["steps"]), int(t["epochs"])
+        step_s, epoch_s = float(t["step_s"]), float(t["epoch_s"])
+        fixed = max(out.wall_s - steps * step_s - epochs * epoch_s, 0.0)
+        return cls(gpus, fixed, step_s, epoch_s, float(t["tokens_per_s"]), steps, epochs, out.wall_s, trial)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    wall_s: float
+    steps: int
+    basis: str
+
+
+class CostModel:
+    """wall(n, epochs) = fixed(n) + steps(n, epochs) × step_s(n) + epochs × epoch_s(n)."""
+
+    def __init__(self, points: dict[int, CalibrationPoint], steps_fn: Callable[[Params], int]):
+        self.points = points
+        self.steps_fn = steps_fn
+
+    def predict(self, params: Params) -> Prediction | None:
+        n = params.train.gpus
+        if not self.points:
+            return None
+        steps = self.steps_fn(params)
+        if n in self.points:
+            p, basis = self.points[n], f"calibration trial {self.points[n].trial} at {n} GPU(s)"
+        else:  # per-step time held, steps shrink with n: linear scaling from the nearest count
+            p = min(self.points.values(), key=lambda q: (abs(math.log2(n / q.gpus)), -q.gpus))
+            basis = f"calibration at {p.gpus} GPU(s), scaled linearly to {n}"
+        wall = p.fixed_s + steps * p.step_s + params.train.epochs * p.epoch_s
+        return Prediction(wall, steps, basis)
+
+    def scaling_efficiency(self) -> dict[int, float]:
+        """E(n) = T(n) / (n · T(n0) / n0) against the smallest calibrated count n0."""
+        if not self.points:
+            return {}
+        n0 = min(self.points)
+        per_gpu0 = self.points[n0].tokens_per_s / n0
+        return {n: p.tokens_per_s / (n * per_gpu0) for n, p in sorted(self.points.items())}
+
+
+def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:
+    """Global steps of a trial: speculators' packing sampler over the train split's lengths at
+    the trial's world size (planning.plan_from_lengths: epoch 0 × epochs, as `plan` tables do)."""
+    from draftlab import planning
+
+    cache: dict[tuple, int] = {}
+
+    def steps(params: Params) -> int:
+        t = params.train
+        key = (t.world_size(), t.total_seq_len, t.seed)
+        if key not in cache:
+            cache[key] = planning.plan_from_lengths(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
+                                                    epochs=1, seed=t.seed, exact=False).central_total_steps
+        return cache[key] * t.epochs
+
+    return steps
+
+
+# ---------------------------------------------------------------- the shared budget
+
+
+def union_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(spans):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Ledger:
+    """This worker's span in the study, and the spent budget over all workers' spans."""
+
+    def __init__(self, study, worker_id: str, clock: Clock, *, host: str, pid: int, devices: list[str]):
+        self.study, self.worker_id, self.clock = study, worker_id, clock
+        self.entry = {"host": host, "pid": pid, "start": clock.now(), "last": clock.now(), "devices": devices}
+        self._others: dict[str, dict] = {}
+        self._written = -1e18
+        self._read = -1e18
+
+    def beat(self, force: bool = False) -> None:
+        now = self.clock.now()
+        self.entry["last"] = now
+        if force or now - self._written >= HEARTBEAT_S:
+            self.study.set_user_attr(WORKER_ATTR + self.worker_id, dict(self.entry))
+            self._written = now
+
+    def workers(self, refresh: bool = False) -> dict[str, dict]:
+        now = self.clock.now()
+        if refresh or now - self._read >= HEARTBEAT_S:
+            attrs = self.study.user_attrs
+            self._others = {k[len(WORKER_ATTR):]: v for k, v in attrs.items()
+                            if k.startswith(WORKER_ATTR) and k[len(WORKER_ATTR):] != self.worker_id}
+            self._read = now
+        return self._others
+
+    def spent_s(self) -> float:
+        spans = [(w["start"], w["last"]) for w in self.workers().values()]
+        spans.append((self.entry["start"], self.clock.now()))
+        return union_s(spans)
+
+    def is_dead(self, worker_id: str | None) -> bool:
+        if worker_id == self.worker_id:
+            return False
+        entry = self.workers(refresh=True).get(worker_id or "")
+        if entry is None:
+            return True
+        if entry["host"] == self.entry["host"] and not _pid_alive(entry["pid"]):
+            return True
+        return self.clock.now() - entry["last"] > STALE_AFTER_S
