@@ -58,3 +58,4 @@ def show(params: Params) -> None:
     console.print("  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open http://127.0.0.1:5000)")
     console.print("  DVC metrics: dvc metrics show    plots: dvc plots show   figures: reports/")
     console.print("  Store check: draftlab verify data/hidden_states")
+    console.print("  Sweep:       draftlab sweep experiments/sweep-tiny.yaml --budget 10m   (report: runs/sweeps/)")
