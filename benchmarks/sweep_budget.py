@@ -97,8 +97,10 @@ def draftlab_sweep(args, spec, tmp: Path, tag: str) -> dict:
            "--devices", args.devices, "--study", f"bench-{tag}", "--out", str(out), "--target", str(args.target),
            "--data", str(args.data), "--store", str(args.store)]
     started = time.time()
+    # a store of its own: a second repeat must calibrate again, not reuse the first one's trials
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / f'mlflow-draftlab-{tag}.db'}")
     with open(tmp / f"draftlab-{tag}.log", "wb") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
     wall = time.time() - started
     if rc != 0:
         raise SystemExit(f"draftlab sweep exited {rc}; see {tmp / f'draftlab-{tag}.log'}")

@@ -50,6 +50,12 @@ QUEUE_DEPTH = 2  # asked trials waiting for slots: the head, and one that may ba
 # ---------------------------------------------------------------- one worker
 
 
+def save_calibration(study, point: CalibrationPoint) -> None:
+    raw = dict(study.user_attrs.get(CALIBRATION_ATTR, {}))
+    raw[str(point.gpus)] = asdict(point)
+    study.set_user_attr(CALIBRATION_ATTR, raw)
+
+
 @dataclass
 class Running:
     trial: Any  # optuna.Trial
@@ -108,9 +114,7 @@ class Worker:
         return CostModel(self.calibration(), self.steps_fn)
 
     def _save_calibration(self, point: CalibrationPoint) -> None:
-        raw = dict(self.study.user_attrs.get(CALIBRATION_ATTR, {}))
-        raw[str(point.gpus)] = asdict(point)
-        self.study.set_user_attr(CALIBRATION_ATTR, raw)
+        save_calibration(self.study, point)
 
     def start(self) -> None:
         self.ledger.beat(force=True)

@@ -87,15 +87,20 @@ class CalibrationPoint:
     steps: int
     epochs: int
     wall_s: float
-    trial: int
+    trial: int  # the calibration trial's number in this study; -1 when taken from MLflow
+    source: str = ""  # "calibration trial 3", "mlflow run <id>"
+
+    @classmethod
+    def from_timing(cls, gpus: int, timing: dict, wall_s: float, *, trial: int = -1, source: str = "") -> CalibrationPoint:
+        steps, epochs = int(timing["steps"]), int(timing["epochs"])
+        step_s, epoch_s = float(timing["step_s"]), float(timing["epoch_s"])
+        fixed = max(wall_s - steps * step_s - epochs * epoch_s, 0.0)
+        return cls(gpus, fixed, step_s, epoch_s, float(timing["tokens_per_s"]), steps, epochs, wall_s, trial,
+                   source or f"calibration trial {trial}")
 
     @classmethod
     def from_outcome(cls, gpus: int, trial: int, out: Outcome) -> CalibrationPoint:
-        t = out.timing or {}
-        steps, epochs = int(t["steps"]), int(t["epochs"])
-        step_s, epoch_s = float(t["step_s"]), float(t["epoch_s"])
-        fixed = max(out.wall_s - steps * step_s - epochs * epoch_s, 0.0)
-        return cls(gpus, fixed, step_s, epoch_s, float(t["tokens_per_s"]), steps, epochs, out.wall_s, trial)
+        return cls.from_timing(gpus, out.timing or {}, out.wall_s, trial=trial)
 
 
 @dataclass(frozen=True)
@@ -118,10 +123,11 @@ class CostModel:
             return None
         steps = self.steps_fn(params)
         if n in self.points:
-            p, basis = self.points[n], f"calibration trial {self.points[n].trial} at {n} GPU(s)"
+            p = self.points[n]
+            basis = f"{p.source or f'calibration trial {p.trial}'} at {n} GPU(s)"
         else:  # per-step time held, steps shrink with n: linear scaling from the nearest count
             p = min(self.points.values(), key=lambda q: (abs(math.log2(n / q.gpus)), -q.gpus))
-            basis = f"calibration at {p.gpus} GPU(s), scaled linearly to {n}"
+            basis = f"{p.source or 'calibration'} at {p.gpus} GPU(s), scaled linearly to {n}"
         wall = p.fixed_s + steps * p.step_s + params.train.epochs * p.epoch_s
         return Prediction(wall, steps, basis)
 

@@ -105,6 +105,8 @@ class Calibration(_Model):
                                "epochs of the space, at least 2 so that the per-epoch cost is measured).")
     max_s: float = Field(900, gt=0, description="Longest a calibration trial may run; the budget must exceed "
                          "their sum over the GPU counts not yet calibrated.")
+    reuse: bool = Field(True, description="Take a GPU count's calibration from a finished sweep trial in MLflow "
+                        "(any study) with the same draft, packing, evaluation, store and device model, if there is one.")
 
 
 class SweepSpec(_Model):

@@ -15,11 +15,44 @@ import time
 from pathlib import Path
 
 from draftlab.params import Params
-from draftlab.sweep import PARENT_RUN_ATTR, SystemClock, Worker, drive, steps_from_lengths
+from draftlab.sweep import PARENT_RUN_ATTR, SystemClock, Worker, drive, save_calibration, steps_from_lengths
+from draftlab.sweep_budget import CalibrationPoint
 from draftlab.sweep_space import SpaceError, SweepSpec, check_spec
 from draftlab.util import write_json_atomic
 
 EXPERIMENT = "draftlab"
+TIMING_KEYS = ("steps", "epochs", "step_s", "epoch_s", "tokens_per_s")
+# what a trial's wall-clock depends on besides its GPU count, epochs and lr
+REUSE_MATCH = ("target.source", "target.path", "target.dtype", "train.total_seq_len", "train.draft_layers",
+               "train.ttt_steps", "train.draft_vocab_size", "train.hidden_states_dtype", "train.sharding",
+               "train.num_workers", "evaluate.backend", "evaluate.num_prompts", "evaluate.max_new_tokens")
+
+
+def calibration_from_mlflow(base: Params, gpu_counts, *, store_hash: str, device_model: str, client=None,
+                            experiment: str = EXPERIMENT, max_runs: int = 500) -> dict[int, CalibrationPoint]:
+    """The latest finished sweep trial (any study) per GPU count whose params in REUSE_MATCH,
+    hidden-state store and device model match: its logged timing is a calibration for free."""
+    from draftlab.params import flatten
+    from draftlab.tracking import _param_str
+
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    want = {k: {_param_str(v), str(v)} for k, v in flatten(base).items() if k in REUSE_MATCH}
+    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED' and metrics.`sweep/timing_step_s` > 0",
+                              max_results=max_runs, order_by=["attributes.start_time DESC"])
+    found: dict[int, CalibrationPoint] = {}
+    for run in runs:
+        p, m, tags = run.data.params, run.data.metrics, run.data.tags
+        n = int(p.get("world_size", 0))
+        if n not in gpu_counts or n in found or any(p.get(k) not in v for k, v in want.items()):
+            continue
+        if tags.get("data.hidden_states_hash") != store_hash or tags.get("device.model") != device_model:
+            continue
+        timing = {k: m[f"sweep/timing_{k}"] for k in TIMING_KEYS}
+        found[n] = CalibrationPoint.from_timing(n, timing, m["sweep/trial_wall_s"],
+                                                source=f"mlflow run {run.info.run_id}")
+    return found
 
 
 def storage_url(spec: SweepSpec, out_dir: Path) -> str:
@@ -250,18 +283,33 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     for path, what in ((data_dir, "prepared dataset"), (store_dir / "manifest.json", "hidden-state store")):
         if not path.exists():
             raise SpaceError(f"{path}: no {what}; run `dvc repro extract` first (every trial trains on it)")
+    check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
+    mlflow.set_tracking_uri(tracking_uri())
+    reused: dict[int, CalibrationPoint] = {}
+    if spec.calibration.reuse:
+        from draftlab import store
+        from draftlab.stages.train import _device_tags
+
+        reused = calibration_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
+                                         device_model=_device_tags("cuda" if gpu else "cpu")["device.model"],
+                                         client=mlflow.MlflowClient())
     if "://" not in url and not Path(url).exists():  # a new study: every check before anything is written
-        check_spec(spec, base, num_devices=len(devices))
+        check_spec(spec, base, num_devices=len(devices), calibrated=set(reused))
     storage = open_storage(url)
     study = open_study(spec, storage, base)
     from draftlab.sweep import CALIBRATION_ATTR
 
     calibrated = {int(n) for n in study.user_attrs.get(CALIBRATION_ATTR, {})}
+    for n, point in reused.items():
+        if n not in calibrated:
+            save_calibration(study, point)
+            console.print(f"[bold]sweep[/]: calibration at {n} GPU(s) from {point.source}: start-up "
+                          f"{point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch")
+    calibrated |= set(reused)
     check_spec(spec, base, num_devices=len(devices), calibrated=calibrated)
     lengths, _ = train_split(data_dir, base.data.train_ratio)
     study.set_user_attr("draftlab.budget_s", spec.budget_s)
     study.set_user_attr("draftlab.space", json.loads(spec.model_dump_json()))
-    mlflow.set_tracking_uri(tracking_uri())
     parent = parent_run(study, spec, url)
     console.print(f"[bold]sweep[/]: study [cyan]{spec.study}[/] in {url}  (optuna-dashboard {url})")
     console.print(f"[bold]sweep[/]: budget {spec.budget_s:,.0f} s, trial cap "

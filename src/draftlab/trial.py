@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = objective_of(a.metric, ev.metrics, tr.run_id)
         timing = step_timing(tr.run_id, out / "train")
         wall = time.time() - started
-        tracker.log_metrics({"sweep/trial_wall_s": wall, "sweep/objective": value})
+        # the timing lets later sweeps calibrate from this run instead of running their own
+        tracker.log_metrics({"sweep/trial_wall_s": wall, "sweep/objective": value,
+                             **{f"sweep/timing_{k}": v for k, v in timing.items()}})
         result = {"ok": True, "objective": value, "run_id": tr.run_id, "timing": timing, "wall_s": wall}
         rc = 0
     except KeyboardInterrupt:

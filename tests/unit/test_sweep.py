@@ -428,3 +428,40 @@ def test_per_epoch_values_are_indexed_by_epoch_not_global_step():
                                                                      for s, v in history[key]])
     assert epoch_values(client, "r", "eval/simulated_acc_len", ttt_steps=2) == pytest.approx({0: 1.4, 1: 1.7})
     assert epoch_values(client, "r", "val/loss", ttt_steps=2) == {0: 3.0, 1: 2.5}
+
+
+def test_calibration_is_taken_from_a_matching_finished_trial_in_mlflow(tmp_path):
+    import mlflow
+    from mlflow.entities import Metric, Param, RunTag
+
+    from draftlab.params import flatten
+    from draftlab.sweep_study import calibration_from_mlflow
+    from draftlab.tracking import _param_str
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("draftlab")
+    timing = {"steps": 20, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0}
+
+    def trial_run(params, world_size, *, store="abc", device="cpu-x", finished=True):
+        run = client.create_run(exp)
+        rid = run.info.run_id
+        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(params).items()]
+                         + [Param("world_size", str(world_size))],
+                         tags=[RunTag("data.hidden_states_hash", store), RunTag("device.model", device)],
+                         metrics=[Metric(f"sweep/timing_{k}", float(v), 0, 0) for k, v in timing.items()]
+                         + [Metric("sweep/trial_wall_s", 80.0, 0, 0)])
+        if finished:
+            client.set_terminated(rid, "FINISHED")
+        return rid
+
+    other_len = BASE.model_copy(update={"train": BASE.train.model_copy(update={"total_seq_len": 2048})})
+    good = trial_run(BASE, 1)
+    trial_run(other_len, 2)  # another packing length: not this sweep's cost
+    trial_run(BASE, 2, store="other")  # another hidden-state store
+    trial_run(BASE, 2, device="gpu-y")  # another device model
+    trial_run(BASE, 2, finished=False)  # still running (or killed)
+    found = calibration_from_mlflow(BASE, [1, 2], store_hash="abc", device_model="cpu-x", client=client)
+    assert set(found) == {1}
+    point = found[1]
+    assert point.source == f"mlflow run {good}"
+    assert point.fixed_s == pytest.approx(80 - 20 * 1.5 - 2 * 0.5)
