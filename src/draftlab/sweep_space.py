@@ -39,6 +39,8 @@ class SpaceError(ValueError):
 
 def parse_duration(text: str | float | int, key: str) -> float:
     """'24h', '90m', '1h30m', '300s' or a number of seconds → seconds (> 0)."""
+    if isinstance(text, str) and re.fullmatch(r"\s*-?\d+(\.\d+)?\s*", text):
+        text = float(text)  # a bare number (e.g. from --budget 300) is seconds
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
     else:

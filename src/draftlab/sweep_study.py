@@ -231,6 +231,8 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
         _plot_pareto(rows, front, spec.objective.metric, rep / "pareto.png")
         artifacts.append(rep / "pareto.png")
     try:  # needs ≥ 2 completed trials that differ in some parameter
+        if len(done) < 2:
+            raise ValueError("fewer than 2 completed trials")
         importances = optuna.importance.get_param_importances(study)
         write_json_atomic(rep / "importance.json", importances)
         artifacts.append(rep / "importance.json")
@@ -241,7 +243,7 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
 
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.barh(list(importances)[::-1], list(importances.values())[::-1])
-        ax.set_xlabel(f"importance for {spec.objective.metric} (fANOVA)")
+        ax.set_xlabel(f"importance for {spec.objective.metric} (Optuna's default evaluator)")
         fig.tight_layout()
         fig.savefig(rep / "importance.png", dpi=120)
         plt.close(fig)

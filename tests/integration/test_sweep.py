@@ -124,3 +124,13 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     artifacts = {a.path for a in client.list_artifacts(parent, "sweep")}
     assert {"sweep/trials.csv", "sweep/summary.json", "sweep/best_params.json", "sweep/pareto.png"} <= artifacts
     assert "sweep/best_value" in client.get_run(parent).data.metrics
+
+    # a new study on the same host, store and params calibrates from those trials' MLflow runs
+    third = subprocess.run(cmd + ["--study", "again", "--n-trials", "1", "--budget", "100"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=400)
+    out3 = third.stdout + third.stderr
+    assert third.returncode == 0, out3
+    assert "calibration at 1 GPU(s) from mlflow run" in out3, out3
+    again = optuna.load_study(study_name="again", storage=optuna.storages.JournalStorage(
+        JournalFileBackend(str(tmp_path / "sweeps" / "again" / "journal.log"))))
+    assert [t.user_attrs.get("role") for t in again.get_trials()] == ["search"], "no calibration trial needed"

@@ -167,7 +167,7 @@ def test_bad_spaces_fail_with_one_line_naming_the_key(tmp_path, over, needle):
 
 def test_space_file_errors_and_durations(tmp_path):
     assert parse_duration("1h30m", "budget") == 5400 and parse_duration("24h", "b") == 86400
-    assert parse_duration(90, "b") == 90
+    assert parse_duration(90, "b") == 90 and parse_duration("300", "b") == 300  # --budget 300: seconds
     for bad in ("soon", "0s", "-5"):
         with pytest.raises(SpaceError, match="budget"):
             parse_duration(bad, "budget")
