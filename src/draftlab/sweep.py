@@ -23,6 +23,9 @@ the rerun finds the dead worker's RUNNING trials, stops their processes, marks t
 Everything that waits or measures time goes through a `Clock`, and trials through a `Launcher`,
 so the budget logic is tested with simulated durations (tests/unit/test_sweep.py); the real
 launcher (draftlab.trial) runs `draftlab train` + `draftlab evaluate` in a process group.
+The cost model and the ledger live in draftlab.sweep_budget, the space file in
+draftlab.sweep_space, storage / parent run / report in draftlab.sweep_study; what stays here
+(~450 lines) is the one loop, whose states (queued, running, stopping, killed) read best together.
 """
 
 from __future__ import annotations
