@@ -1,6 +1,7 @@
 """Same budget, side by side: plain Optuna (`study.optimize(objective, timeout=budget)`) against
 `draftlab sweep`, both over experiments/sweep-tiny.yaml's space on the tiny default, both
-running the very same trial process (`python -m draftlab.trial`: draftlab train + evaluate).
+running the very same trial process (`python -m draftlab.trial`: draftlab train + evaluate,
+started by the sweep's own launcher).
 
 Plain Optuna runs one trial at a time (a trial with train.gpus = 2 takes both slots; running
 trials side by side without knowing their GPU counts would oversubscribe), samples with the same
@@ -49,7 +50,10 @@ def plain_optuna(args, spec, base, tmp: Path, tag: str) -> dict:
     import optuna
     from optuna.storages.journal import JournalFileBackend
 
+    from draftlab.sweep import suggest
+    from draftlab.sweep_budget import TrialSpec
     from draftlab.sweep_space import trial_params
+    from draftlab.trial import ProcessLauncher
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = tmp / f"plain-{tag}"
@@ -58,30 +62,19 @@ def plain_optuna(args, spec, base, tmp: Path, tag: str) -> dict:
     study = optuna.create_study(study_name="plain", storage=storage, direction=spec.objective.direction,
                                 sampler=optuna.samplers.TPESampler(seed=spec.seed))
 
-    def objective(trial):
-        values = {}
-        for key, dim in spec.space.items():
-            is_int = isinstance(base.train.model_dump()[key.split(".", 1)[1]], int)
-            if dim.choices is not None:
-                values[key] = trial.suggest_categorical(key, dim.choices)
-            elif is_int:
-                values[key] = trial.suggest_int(key, int(dim.low), int(dim.high), log=dim.log)
-            else:
-                values[key] = trial.suggest_float(key, dim.low, dim.high, log=dim.log)
-        import yaml
+    launcher = ProcessLauncher(study="plain", metric=spec.objective.metric, target_dir=args.target,
+                               data_dir=args.data, store_dir=args.store, parent_run_id=None, gpu_slots=False)
 
-        d = out / f"trial-{trial.number:04d}"
-        d.mkdir()
-        (d / "params.yaml").write_text(yaml.safe_dump(trial_params(base, values).model_dump(), sort_keys=False))
-        cmd = [sys.executable, "-m", "draftlab.trial", "--params", str(d / "params.yaml"), "--out", str(d),
-               "--target", str(args.target), "--data", str(args.data), "--store", str(args.store),
-               "--study", "plain", "--metric", spec.objective.metric, "--trial", str(trial.number)]
-        with open(d / "trial.log", "wb") as log:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        res = json.loads((d / "result.json").read_text())
-        if not res.get("ok"):
-            raise optuna.TrialPruned(res.get("message"))
-        return res["objective"]
+    def objective(trial):
+        values = suggest(trial, spec, base)
+        params = trial_params(base, values)
+        handle = launcher.start(TrialSpec(trial.number, values, params, [f"cpu{i}" for i in range(params.train.gpus)],
+                                          "search", out / f"trial-{trial.number:04d}"))
+        while (res := handle.poll()) is None:
+            time.sleep(1)
+        if not res.ok:
+            raise optuna.TrialPruned(res.message)
+        return res.objective
 
     started = time.time()
     study.optimize(objective, timeout=spec.budget_s)

@@ -53,6 +53,22 @@ QUEUE_DEPTH = 2  # asked trials waiting for slots: the head, and one that may ba
 # ---------------------------------------------------------------- one worker
 
 
+def suggest(trial, spec: SweepSpec, base: Params) -> dict[str, Any]:
+    """The trial's values for the space's keys (int or float ranges as the params key's type)."""
+    raw = base.model_dump()
+    out = {}
+    for key, dim in spec.space.items():
+        section, name = key.split(".", 1)
+        is_int = isinstance(raw[section][name], int) and not isinstance(raw[section][name], bool)
+        if dim.choices is not None:
+            out[key] = trial.suggest_categorical(key, dim.choices)
+        elif is_int:
+            out[key] = trial.suggest_int(key, int(dim.low), int(dim.high), step=int(dim.step or 1), log=dim.log)
+        else:
+            out[key] = trial.suggest_float(key, dim.low, dim.high, step=dim.step, log=dim.log)
+    return out
+
+
 def save_calibration(study, point: CalibrationPoint) -> None:
     raw = dict(study.user_attrs.get(CALIBRATION_ATTR, {}))
     raw[str(point.gpus)] = asdict(point)
@@ -173,20 +189,6 @@ class Worker:
         values["train.gpus"] = gpus if "train.gpus" in self.spec.space else None
         return {k: v for k, v in values.items() if v is not None}
 
-    def _suggest(self, trial) -> dict[str, Any]:
-        base = self.base.model_dump()
-        out = {}
-        for key, dim in self.spec.space.items():
-            section, name = key.split(".", 1)
-            is_int = isinstance(base[section][name], int) and not isinstance(base[section][name], bool)
-            if dim.choices is not None:
-                out[key] = trial.suggest_categorical(key, dim.choices)
-            elif is_int:
-                out[key] = trial.suggest_int(key, int(dim.low), int(dim.high), step=int(dim.step or 1), log=dim.log)
-            else:
-                out[key] = trial.suggest_float(key, dim.low, dim.high, step=dim.step, log=dim.log)
-        return out
-
     def _trials_started(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "rejected"))
 
@@ -299,7 +301,7 @@ class Worker:
         trial = self.study.ask()
         trial.set_user_attr("worker", self.worker_id)
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
-        values = self._suggest(trial)
+        values = suggest(trial, self.spec, self.base)
         params = trial_params(self.base, values)
         trial.set_user_attr("role", role)
         trial.set_user_attr("gpus", params.train.gpus)

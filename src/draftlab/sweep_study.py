@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from draftlab.params import Params
@@ -340,7 +341,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
             model = worker.model()
             summary = report(study, spec, out_dir, parent, spent_s=worker.ledger.spent_s(), budget_s=worker.budget_s,
                              ended=worker.done_reason or "interrupted",
-                             model_points={n: p.__dict__ for n, p in model.points.items()},
+                             model_points={n: asdict(p) for n, p in model.points.items()},
                              efficiency=model.scaling_efficiency())
             mlflow.MlflowClient().set_terminated(parent, status)
     counts = summary["trials"]

@@ -83,9 +83,7 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     storage = optuna.storages.JournalStorage(JournalFileBackend(str(study_dir / "journal.log")))
     study = optuna.load_study(study_name="it", storage=storage)
     trials = study.get_trials()
-    by_dir = {t.user_attrs.get("trial_dir"): t for t in trials}
-    killed = by_dir[str(Path("sweeps/it") / victim.name)] if str(Path("sweeps/it") / victim.name) in by_dir else \
-        next(t for t in trials if t.user_attrs.get("trial_dir", "").endswith(victim.name))
+    killed = next(t for t in trials if Path(t.user_attrs.get("trial_dir", "")).name == victim.name)
     assert killed.state.name == "FAIL" and killed.user_attrs["status"] == "interrupted"
     assert not _alive(torchrun_pgid), "the killed sweep's orphaned ranks were stopped"
     assert not (victim / "result.json").exists() and not (victim / "train" / "train.json").exists(), \
@@ -110,7 +108,6 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0].info.run_id
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
-    started = [t for t in trials if t.user_attrs.get("run_id") or t.user_attrs.get("status") == "interrupted"]
     assert len(children) >= len([t for t in trials if t.state.name == "COMPLETE"])
     statuses = {c.data.tags["draftlab.sweep.trial"]: c.info.status for c in children}
     assert statuses[str(killed.number)] == "KILLED"
@@ -120,7 +117,6 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
             child = next(c for c in children if c.data.tags["draftlab.sweep.trial"] == str(t.number))
             assert float(child.data.params["train.resolved_lr"]) == pytest.approx(t.params["train.lr"])
             assert "eval/simulated_acc_len" in child.data.metrics
-    assert started
     artifacts = {a.path for a in client.list_artifacts(parent, "sweep")}
     assert {"sweep/trials.csv", "sweep/summary.json", "sweep/best_params.json", "sweep/pareto.png"} <= artifacts
     assert "sweep/best_value" in client.get_run(parent).data.metrics

@@ -326,9 +326,10 @@ def test_trials_pack_onto_disjoint_device_slots(tmp_path):
     w = make_worker(tmp_path, spec, clock, launcher, devices=("0", "1", "2"), n_trials=10)
     run_to_end(w, clock)
     assert launcher.max_concurrent() >= 2, "a 3-slot worker runs trials side by side"
+    for s, _, _ in launcher.started:
+        assert len(s.devices) == s.params.train.gpus, "a trial gets as many slots as its GPU count"
     spans = [(t, t + (h.killed_at or h.start + h.duration) - h.start, set(s.devices)) for s, t, h in launcher.started]
     for i, (a0, a1, da) in enumerate(spans):
-        assert len(da) == next(s for s, _, _ in launcher.started if set(s.devices) == da).params.train.gpus
         for b0, b1, db in spans[i + 1:]:
             if a0 < b1 and b0 < a1:
                 assert not (da & db), "overlapping trials never share a device"
