@@ -34,6 +34,8 @@ class Accounting:
     train_loss_tokens: int
     total_seq_len: int
     epochs: list[EpochPlan] = field(default_factory=list)
+    max_steps: int | None = None  # a step-limited (calibration) run: speculators' --max-steps
+    trained_steps: list[int] = field(default_factory=list)  # per epoch under max_steps (compat's rule)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -41,7 +43,8 @@ class Accounting:
 
     @property
     def total_steps(self) -> int:
-        return sum(e.steps for e in self.epochs)
+        """Global steps the run trains: all of every epoch, or what max_steps leaves of them."""
+        return sum(self.trained_steps) if self.max_steps is not None else sum(e.steps for e in self.epochs)
 
     @property
     def tokens_per_step(self) -> int:
@@ -67,7 +70,20 @@ class Accounting:
         out = asdict(self)
         out.update(self.mlflow_params())
         out["steps_per_epoch_list"] = [e.steps for e in self.epochs]
+        if self.max_steps is not None:
+            out["trained_steps_per_epoch"] = list(self.trained_steps)
         return out
+
+    def limited(self, max_steps: int | None) -> Accounting:
+        """This plan under speculators' --max-steps (draftlab.compat.steps_under_max_steps)."""
+        if max_steps is None:
+            return self
+        from dataclasses import replace
+
+        from draftlab.compat import steps_under_max_steps
+
+        return replace(self, max_steps=max_steps,
+                       trained_steps=steps_under_max_steps([e.steps for e in self.epochs], max_steps))
 
 
 def digest(sample_ids) -> str:
@@ -124,12 +140,20 @@ def plan_epochs(
     )
 
 
-def check_observed(plan: Accounting, observed: dict[int, dict[int, list[int]]], observed_steps: int) -> list[str]:
+def check_observed(plan: Accounting, observed: dict[int, dict[int, list[int]]], observed_steps: int,
+                   observed_per_epoch: dict[int, int] | None = None) -> list[str]:
     """Compare what the ranks did with the plan. `observed[epoch][rank]` = sample ids the rank
-    was given. Returns one message per mismatch (empty = everything matched)."""
+    was given; `observed_per_epoch[epoch]` = global step at the end of each epoch (checked for
+    a step-limited run, whose epochs stop early). Returns one message per mismatch."""
     problems = []
     if observed_steps != plan.total_steps:
         problems.append(f"global steps: observed {observed_steps}, predicted {plan.total_steps}")
+    if plan.max_steps is not None and observed_per_epoch is not None:
+        ends = [sum(plan.trained_steps[: i + 1]) for i in range(len(plan.trained_steps))]
+        seen = [observed_per_epoch.get(e) for e in range(len(ends))]
+        if seen != ends:
+            problems.append(f"step-limited run (max_steps {plan.max_steps}): global step at each epoch's end "
+                            f"observed {seen}, predicted {ends}")
     for ep in plan.epochs:
         ranks = observed.get(ep.epoch)
         if ranks is None:

@@ -114,10 +114,14 @@ def train(
 ) -> None:
     """Train the draft with speculators' trainer under torchrun; accounting checked, MLflow-tracked."""
     p = _load(params)
+    import psutil
+
     from draftlab.stages import train as stage
 
+    started = psutil.Process().create_time()  # the cost model's start-up begins with this process
     try:
-        _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out))
+        _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out,
+                                 started_at=started))
     except stage.TrainingFailed as err:
         from draftlab.console import console
 
@@ -163,57 +167,54 @@ def export(
 @app.command()
 def plan(
     params: ParamsOpt = Path("params.yaml"),
+    target: TargetOpt = Path("models/target"),
     data: Annotated[Path, typer.Option(help="Prepared dataset (exact per-sample lengths).")] = Path("data/prepared"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder (disk checks, hidden size).")] = Path("data/hidden_states"),
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder (disk checks).")] = Path("data/hidden_states"),
     gpus: Annotated[str, typer.Option(help="GPU counts to plan for, comma-separated.")] = "1,2,4,8",
-    samples: Annotated[int | None, typer.Option(help="Stated sample count (instead of the dataset).")] = None,
+    samples: Annotated[int | None, typer.Option(help="Stated sample count (with --tokens; instead of the dataset).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Stated token count (with --samples).")] = None,
-    hidden_size: Annotated[int | None, typer.Option(help="Target hidden size (default: manifest or target).")] = None,
+    hidden_size: Annotated[int | None, typer.Option(help="Target hidden size (default: the target's config.json).")] = None,
     tokens_per_s: Annotated[float | None, typer.Option(help="Stated training tokens/s at --at-gpus GPUs.")] = None,
     at_gpus: Annotated[int, typer.Option(help="GPU count of --tokens-per-s.")] = 1,
     extract_tokens_per_s: Annotated[float | None, typer.Option(help="Stated extraction tokens/s.")] = None,
     shm_mb: Annotated[float | None, typer.Option(help="Shared memory available (default: /dev/shm here).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Predict store size, extraction hours, steps, wall-clock and GPU-hours before anything runs."""
+    """Predict store size, extraction hours, steps, wall-clock and GPU-hours before anything runs (writes nothing)."""
     import json as _json
 
-    p = _load(params)
+    from draftlab.params import ParamsError, load_params
+
+    try:  # a profile whose data is not there yet can be planned from counts
+        p = load_params(params, check_paths=False)
+    except ParamsError as err:
+        _fail(str(err))
     from draftlab import planning as pl
+    from draftlab import plan_inputs
     from draftlab.console import console
 
     try:
         counts = [int(x) for x in gpus.split(",") if x.strip()]
+        if not counts or min(counts) < 1:
+            raise ValueError
     except ValueError:
-        _fail(f"--gpus: expected comma-separated integers, got {gpus!r}")
-    lengths = None
-    if samples is None or tokens is None:
-        if not (data / "dataset_info.json").exists() and not list(data.glob("*.arrow")):
-            _fail(f"{data}: no prepared dataset; run `dvc repro prepare` or pass --samples N --tokens N")
-        from datasets import load_from_disk
+        _fail(f"--gpus: expected comma-separated positive integers, got {gpus!r}")
 
-        lengths = list(load_from_disk(str(data)).with_format(None)["seq_len"])
-        samples, tokens = len(lengths), int(sum(lengths))
-    if hidden_size is None:
-        manifest = store / "manifest.json"
-        if manifest.exists():
-            hidden_size = _json.loads(manifest.read_text())["target"]["hidden_size"]
-        elif p.target.source == "tiny":
-            hidden_size = p.target.tiny.hidden_size
-        else:
-            _fail("--hidden-size: needed for a real target until its store exists")
-    scenario = pl.Scenario.from_params(p, num_samples=samples, num_tokens=tokens, hidden_size=hidden_size)
-    throughputs = []
-    if tokens_per_s:
-        throughputs.append(pl.Throughput(at_gpus, tokens_per_s, "stated"))
-    try:
-        throughputs.extend(t for t in pl.throughputs_from_mlflow(p) if t.gpus != at_gpus or not tokens_per_s)
-    except Exception:  # noqa: BLE001 — no store or no matching runs: plan without them
-        pass
+    def inputs():
+        stated = plan_inputs.stated_counts(samples, tokens)
+        lengths = None if stated else plan_inputs.dataset_lengths(data)
+        n_samples, n_tokens = stated or (len(lengths), int(sum(lengths)))
+        h, _ = plan_inputs.hidden_size(p, target, store, hidden_size)
+        return lengths, n_samples, n_tokens, h
+
+    lengths, n_samples, n_tokens, h = _guard(inputs)
+    scenario = pl.Scenario.from_params(p, num_samples=n_samples, num_tokens=n_tokens, hidden_size=h)
+    points, _note = plan_inputs.measured_points(p, store)
     existing = _json.loads((store / "manifest.json").read_text())["total_bytes"] if (store / "manifest.json").exists() else 0
     disk_dir = store if store.exists() else Path(".")
     result = pl.make_plan(
-        scenario, lengths=lengths, gpu_counts=counts, throughputs=throughputs,
+        scenario, lengths=lengths, gpu_counts=counts, points=points,
+        stated=pl.Throughput(at_gpus, tokens_per_s) if tokens_per_s else None,
         extract_tokens_per_s=pl.Throughput(1, extract_tokens_per_s, "stated") if extract_tokens_per_s else None,
         disk_free=pl.disk_free_bytes(disk_dir) + existing,
         shm_bytes=int(shm_mb * 1e6) if shm_mb else pl.shm_free_bytes(),
@@ -222,6 +223,7 @@ def plan(
         typer.echo(_json.dumps(result.to_json(), default=str))
     else:
         console.print(pl.plan_table(result))
+        console.print(f"[dim]measurements: {_note}[/]")
 
 
 @app.command()
@@ -334,6 +336,9 @@ def params_reference() -> None:
 
 
 def main() -> None:
+    from draftlab import threads
+
+    threads.configure()  # before torch loads; children (torchrun, ranks, trials) inherit it
     try:
         app()
     except KeyboardInterrupt:

@@ -199,3 +199,26 @@ def run_trainer(
 def _mtime_ns(path: Path) -> int | None:
     # Compared with itself, not with time.time(): file times come from a coarser clock.
     return path.stat().st_mtime_ns if path.exists() else None
+
+
+def steps_under_max_steps(steps_per_epoch: Sequence[int], max_steps: int | None) -> list[int]:
+    """Global steps each epoch trains with ``--max-steps`` in speculators 0.9.0.
+
+    ``Trainer.train_epoch`` breaks once ``global_step >= max_steps``, checked only *after* a
+    step, while ``run_training`` keeps looping over every epoch (checkpoint and validation
+    included): each epoch after the limit still trains one step. So ``--epochs E --max-steps N``
+    trains N + E − 1 steps when N ≤ the first epoch's steps, and a calibration
+    (``--epochs 2``) has exactly one epoch boundary to time. ``--scheduler-total-steps``, which
+    draftlab always passes, overrides the schedule length ``max_steps`` would set.
+    tests/integration/test_compat_torchrun.py runs the real trainer against this.
+    """
+    out, done = [], 0
+    for steps in steps_per_epoch:
+        trained = 0
+        for _ in range(steps):
+            done += 1
+            trained += 1
+            if max_steps is not None and done >= max_steps:
+                break
+        out.append(trained)
+    return out

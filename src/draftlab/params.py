@@ -175,6 +175,11 @@ class Train(Section):
         "ddp", description="`ddp`: replicated parameters; `fsdp`: FSDP2 parameter sharding (speculators --fsdp-shard)."
     )
     epochs: PositiveInt = Field(3, description="Training epochs.")
+    max_steps: PositiveInt | None = Field(
+        None, description="Stop after this many global steps (speculators --max-steps): a calibration run, "
+        "timing only (tagged draftlab.calibration; evaluate says so, export refuses it). With epochs: 2 it "
+        "times one epoch boundary; each epoch after the limit still trains one step (draftlab.compat)."
+    )
     lr: PositiveFloat = Field(
         3e-3, description="Base learning rate at `lr_base_gpus` data-parallel ranks (before scaling)."
     )
@@ -301,8 +306,9 @@ def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml") -> Par
         raise ParamsError(_one_line(err, source)) from None
 
 
-def load_params(path: str | Path = "params.yaml", *, root: Path | None = None) -> Params:
-    """Read, validate and path-check a params file; raises ParamsError with one line."""
+def load_params(path: str | Path = "params.yaml", *, root: Path | None = None, check_paths: bool = True) -> Params:
+    """Read, validate and path-check a params file; raises ParamsError with one line.
+    check_paths=False: for `draftlab plan`, which plans data that is not there yet."""
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: params file not found; pass --params PATH")
@@ -315,7 +321,8 @@ def load_params(path: str | Path = "params.yaml", *, root: Path | None = None) -
     if raw is not None and not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     params = parse_params(raw, str(path))
-    params.check_paths(root if root is not None else path.resolve().parent)
+    if check_paths:
+        params.check_paths(root if root is not None else path.resolve().parent)
     return params
 
 

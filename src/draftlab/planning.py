@@ -4,8 +4,9 @@ each figure with where it came from, and the warnings that catch plans which was
     store      tokens × (4 × H × dtype + 8) + files × safetensors header      (draftlab.store)
     steps      speculators' own packing sampler (draftlab.accounting), exact from per-sample
                lengths; from counts alone, a range over stated length distributions
-    wall-clock epochs × trained tokens ÷ T(n), T(n) = real tokens/s at n GPUs, measured
-               ("calibration", "mlflow run <id>") or "stated", else scaled from the nearest one
+    wall-clock draftlab.costmodel (the one the sweep and the ETA use): start-up + steps × s/step
+               + boundaries × s/epoch, from a calibration or finished run in MLflow, or a
+               stated tokens/s; another GPU count from the nearest one, s/step held
     GPU-hours  wall-clock × n
 
 Why counts use a shortcut: `accounting.plan_epochs` (what `draftlab train` runs) builds every
@@ -18,10 +19,8 @@ far inside the range spanned by the length distributions. So counts run the samp
 (distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
 file without the package's heavy `__init__`: the same code, a few seconds in all.
 
-Why ~500 lines: bytes, steps, throughputs, warnings and their table are one cost model read
-top to bottom; the MLflow lookup and the table can move out when `draftlab plan` grows.
-Nothing here imports torch at module level. `plan_table` needs rich; `throughputs_from_mlflow`
-needs mlflow (both imported inside).
+Why ~500 lines: bytes, steps, wall-clock, warnings and their table are one plan read top to
+bottom. Nothing here imports torch at module level; `plan_table` needs rich (imported inside).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from draftlab import store
+from draftlab import costmodel, store
 
 DEFAULT_GPU_COUNTS = (1, 2, 4, 8)
 SAFETENSORS_HEADER_BYTES = 168  # measured: 8-byte length + JSON header of hs_<i> ([T, 4, H] + [T])
@@ -59,31 +58,16 @@ class PlanWarning(NamedTuple):
 
 @dataclass(frozen=True)
 class Throughput:
-    """Real (unpadded) training tokens per second over all ranks at `gpus` GPUs."""
+    """Real (unpadded) tokens per second over all ranks at `gpus` GPUs, as a user states it."""
 
     gpus: int
     tokens_per_s: float
-    source: str  # "calibration", "mlflow run <id>", "stated", or how it was scaled from one
+    source: str = "stated"
 
 
 def tokens_per_s_from_steps(steps_per_s: float, world_size: int, tokens_per_rank_step: float) -> float:
     """E.g. the reference run: 1.4 steps/s × 4 ranks × 2,353 tokens per rank-step ≈ 13.2 k tokens/s."""
     return steps_per_s * world_size * tokens_per_rank_step
-
-
-def throughput_at(points: Sequence[Throughput], gpus: int, scaling_efficiency: float = 1.0) -> Throughput | None:
-    """T(gpus): a measured point if there is one, else the nearest (in log2 GPUs) scaled per GPU,
-    × `scaling_efficiency` per doubling (1.0 = linear: ranks shard data, no extra communication)."""
-    if not points:
-        return None
-    for p in points:
-        if p.gpus == gpus:
-            return p
-    near = min(points, key=lambda p: (abs(math.log2(gpus / p.gpus)), -p.gpus))
-    doublings = math.log2(gpus / near.gpus)
-    tps = near.tokens_per_s * gpus / near.gpus * scaling_efficiency**doublings
-    how = "linearly" if scaling_efficiency == 1.0 else f"× {scaling_efficiency:g} per doubling"
-    return Throughput(gpus, tps, f"{near.source} at {near.gpus} GPU(s), scaled {how}")
 
 
 # ---------------------------------------------------------------- bytes
@@ -141,8 +125,11 @@ class StepEstimate:
 
 
 def packing_bounds(trained_tokens: int, num_samples: int, total_seq_len: int, world_size: int) -> tuple[int, int]:
-    """A global step holds at most W × L tokens and at least one sample per rank."""
-    return math.ceil(trained_tokens / (world_size * total_seq_len)), num_samples // world_size
+    """A global step holds at most W × L tokens and at least one sample per rank (the sampler
+    drops what cannot give every rank one), so lo ≤ steps ≤ hi; lo is capped at hi because a
+    sample longer than L still takes a whole row."""
+    hi = num_samples // world_size
+    return min(math.ceil(trained_tokens / (world_size * total_seq_len)), hi), hi
 
 
 @functools.cache
@@ -238,6 +225,8 @@ def plan_from_counts(num_samples: int, num_tokens: int, *, total_seq_len: int, w
     (default total_seq_len: data prepared for this packing length), and packed by the trainer's
     sampler. The result is the min–max over σ; `bounds_per_epoch` hold for any distribution."""
     max_len = max_sample_len or total_seq_len
+    if num_tokens > num_samples * max_len:  # stated counts mean longer samples than L: they get cut
+        max_len = math.ceil(3 * num_tokens / num_samples)
     per: dict[str, list[int]] = {}
     for sigma in sigmas:
         lengths = synthesise_lengths(num_samples, num_tokens, sigma=sigma, max_len=max_len, seed=seed)
@@ -314,10 +303,13 @@ class GpuRow:
     gpus: int
     steps_per_epoch: tuple[int, int]
     total_steps: tuple[int, int]
-    tokens_per_s: float | None
-    throughput_source: str
-    wall_clock_s: float | None
+    tokens_per_s: float | None  # real tokens per second while stepping
+    throughput_source: str  # which calibration / run / statement, at which GPU count, and its age
+    wall_clock_s: float | None  # costmodel: start-up + central steps × s/step + boundaries × s/epoch
     gpu_hours: float | None
+    startup_s: float | None = None
+    step_s: float | None = None
+    epoch_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -343,11 +335,13 @@ class Plan:
 
 
 def make_plan(scenario: Scenario, *, lengths: Sequence[int] | None = None,
-              gpu_counts: Sequence[int] = DEFAULT_GPU_COUNTS, throughputs: Sequence[Throughput] = (),
-              scaling_efficiency: float = 1.0, extract_tokens_per_s: Throughput | None = None,
+              gpu_counts: Sequence[int] = DEFAULT_GPU_COUNTS, points: dict[int, costmodel.Point] | None = None,
+              stated: Throughput | None = None, extract_tokens_per_s: Throughput | None = None,
               shm_bytes: int | None = None, disk_free: int | None = None, sharded: bool = True,
-              observed_steps_per_epoch: int | None = None) -> Plan:
+              observed_steps_per_epoch: int | None = None, now: float | None = None) -> Plan:
     """The whole plan. `lengths`: every row's length in dataset order (exact steps), else counts.
+    `points`: measured cost-model points (costmodel.points_from_mlflow); `stated`: a tokens/s
+    the user states (it replaces a measured point at its GPU count).
     `sharded=False` states that ranks do not shard data (every rank reads everything).
     `extract_tokens_per_s`: a Throughput whose gpus is ignored."""
     s = scenario
@@ -369,14 +363,27 @@ def make_plan(scenario: Scenario, *, lengths: Sequence[int] | None = None,
                                     epochs=s.epochs, seed=s.seed, max_sample_len=s.max_sample_len, sigmas=sigmas)
 
     main = steps_for(s.world_size, True)
+    estimates = {n: main if n == s.world_size else steps_for(n, False) for n in sorted(set(gpu_counts))}
+    points = dict(points or {})
+    if stated is not None:
+        est = estimates.get(stated.gpus) or steps_for(stated.gpus, False)
+        per_step = main.trained_tokens_per_epoch * s.epochs / max(est.central_total_steps, 1)
+        points[stated.gpus] = costmodel.stated_point(stated.gpus, stated.tokens_per_s, per_step)
     rows = []
-    for n in sorted(set(gpu_counts)):
-        est = main if n == s.world_size else steps_for(n, False)
-        t = throughput_at(throughputs, n, scaling_efficiency)
-        wall = s.epochs * main.trained_tokens_per_epoch / t.tokens_per_s if t else None
-        rows.append(GpuRow(n, est.steps_per_epoch, est.total_steps, t.tokens_per_s if t else None,
-                           t.source if t else "no throughput: pass one (calibration, MLflow or stated)",
-                           wall, wall * n / 3600 if wall is not None else None))
+    for n, est in estimates.items():
+        found = costmodel.nearest(points, n)
+        if found is None:
+            rows.append(GpuRow(n, est.steps_per_epoch, est.total_steps, None,
+                               "no measurement: run a calibration (train.max_steps), train once, or --tokens-per-s",
+                               None, None))
+            continue
+        p, how = found
+        steps = est.central_total_steps
+        wall = p.train_s(steps, s.epochs)
+        age = "" if p.source.startswith("stated") else f"; {p.age(now)}"
+        tps = main.trained_tokens_per_epoch * s.epochs / (steps * p.step_s) if steps and p.step_s else None
+        rows.append(GpuRow(n, est.steps_per_epoch, est.total_steps, tps, how + age, wall, wall * n / 3600,
+                           p.fixed_s, p.step_s, p.epoch_s))
     extraction_h = s.num_tokens / extract_tokens_per_s.tokens_per_s / 3600 if extract_tokens_per_s else None
     inflight = loader_inflight_bytes(s.total_seq_len, s.hidden_size, s.dtype, s.num_workers, s.prefetch_factor)
     plan = Plan(s, n_bytes, basis, extraction_h,
@@ -443,57 +450,18 @@ def reference_run_hours(*, train_samples: int, epochs: int, steps_per_s: float, 
     return ReferenceRun(steps, steps / steps_per_s / 3600, tps, sharded_s / 3600, (steps / steps_per_s) / sharded_s)
 
 
-# ---------------------------------------------------------------- measured throughputs
-
-
-MATCH_PARAMS = ("target.source", "target.path", "train.total_seq_len", "train.draft_layers", "train.ttt_steps",
-                "train.draft_vocab_size", "train.hidden_states_dtype", "train.sharding")
-
-
-def throughputs_from_mlflow(params, *, client=None, experiment: str = "draftlab", device_model: str | None = None,
-                            max_runs: int = 200) -> list[Throughput]:
-    """The latest finished train run per world size whose draft/packing params match `params`
-    (and `device_model` tag, if given): its whole-run tokens/s, source "mlflow run <id>"."""
-    from draftlab.params import flatten
-
-    if client is None:
-        import mlflow
-
-        from draftlab.tracking import tracking_uri
-
-        client = mlflow.MlflowClient(tracking_uri())
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return []
-    from draftlab.tracking import _param_str
-
-    # as `draftlab train` logs them (json for non-strings), or as plain str() from other loggers
-    want = {k: {_param_str(v), str(v)} for k, v in flatten(params).items() if k in MATCH_PARAMS}
-    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=max_runs,
-                              order_by=["attributes.start_time DESC"])
-    latest: dict[int, Throughput] = {}
-    for run in runs:
-        p, m, tags = run.data.params, run.data.metrics, run.data.tags
-        if any(p.get(k) not in v for k, v in want.items()) or "world_size" not in p:
-            continue
-        if device_model and tags.get("device.model") != device_model:
-            continue
-        tps = m.get("perf/run_tokens_per_s") or m.get("perf/tokens_per_s")
-        gpus = int(p["world_size"])
-        if tps and gpus not in latest:
-            latest[gpus] = Throughput(gpus, float(tps), f"mlflow run {run.info.run_id}")
-    return [latest[g] for g in sorted(latest)]
-
-
 # ---------------------------------------------------------------- presentation
 
 
 def _hours(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{seconds / 3600:,.1f} h"
+    if seconds is None:
+        return "—"
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.0f} s"
 
 
 def _range(r: tuple[int, int]) -> str:
-    return f"{r[0]:,}" if r[0] == r[1] else f"{r[0]:,}–{r[1]:,}"
+    lo, hi = sorted(r)
+    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
 
 
 def plan_table(plan: Plan):
@@ -510,18 +478,20 @@ def plan_table(plan: Plan):
     facts.add_row("extraction", f"{_hours(plan.extraction_hours * 3600 if plan.extraction_hours else None)} "
                   f"({plan.extraction_source})")
     facts.add_row(f"steps per epoch at {s.world_size} rank(s)", f"{_range(st.steps_per_epoch)} (any packing: "
-                  f"{st.bounds_per_epoch[0]:,}–{st.bounds_per_epoch[1]:,})")
+                  f"{_range(st.bounds_per_epoch)})")
     facts.add_row("total steps",
                   f"{_range(st.total_steps)} over {s.epochs} epoch(s); central {st.central_total_steps:,}")
     facts.add_row("steps basis", st.basis)
     facts.add_row("loader shared memory per rank", f"{plan.loader_inflight_bytes / 1e9:.2f} GB "
                   f"({s.num_workers} workers × prefetch {s.prefetch_factor})")
     rows = Table(title=f"wall-clock for {s.epochs} epoch(s) of {st.trained_tokens_per_epoch:,} trained tokens")
-    for col in ("GPUs", "steps/epoch", "total steps", "tokens/s", "wall-clock", "GPU-hours", "throughput source"):
+    for col in ("GPUs", "steps/epoch", "total steps", "tokens/s", "start-up + s/step + s/epoch", "wall-clock",
+                "GPU-hours", "from"):
         rows.add_column(col)
     for r in plan.rows:
+        model = "—" if r.step_s is None else f"{r.startup_s:,.0f} s + {r.step_s:.3g} s + {r.epoch_s:,.1f} s"
         rows.add_row(str(r.gpus), _range(r.steps_per_epoch), _range(r.total_steps),
-                     "—" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", _hours(r.wall_clock_s),
+                     "—" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", model, _hours(r.wall_clock_s),
                      "—" if r.gpu_hours is None else f"{r.gpu_hours:,.1f}", r.throughput_source)
     parts = [facts, rows] + [f"[yellow]warning[/] {w.code}: {w.message}" for w in plan.warnings]
     return Group(*parts)

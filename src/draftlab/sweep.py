@@ -3,8 +3,9 @@
 Where Optuna's `timeout=` only stops *starting* trials, a sweep here never spends time it does
 not have:
 
-  calibrate  one real trial per GPU count (base lr, few epochs) measures start-up, seconds per
-             global step and per epoch; cached in the study; E(n) = T(n) / (n · T(n0)) logged
+  calibrate  one step-limited trial per GPU count (base lr, epochs 2, max_steps 20+) measures
+             start-up, seconds per global step and per epoch boundary (draftlab.costmodel); cached
+             in the study, never told to it as a completed trial; E(n) = T(n) / (n · T(n0)) logged
   predict    steps from `draftlab.planning` (the sampler `draftlab plan` and `train` use) ×
              seconds per step + epochs × per-epoch cost + start-up
   reject     a trial whose prediction × (1 + margin) does not fit the remaining budget (or the
@@ -39,14 +40,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftlab.params import Params
-from draftlab.sweep_budget import (STALE_AFTER_S, CalibrationPoint, Clock, CostModel, Handle, Launcher, Ledger,
-                                   Outcome, SystemClock, TrialSpec, steps_from_lengths, union_s)
+from draftlab.sweep_budget import (STALE_AFTER_S, Clock, CostModel, Handle, Launcher, Ledger, Outcome, Point,
+                                   SystemClock, TrialSpec, point_from_outcome, steps_from_lengths, union_s)
 from draftlab.sweep_space import SpaceError, SweepSpec, trial_params
 
 CALIBRATION_ATTR = "draftlab.calibration"
 PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
 INTERMEDIATE_EVERY_S = 5.0
 MAX_CONSECUTIVE_REJECTIONS = 25
+CALIBRATION_EPOCHS = 2  # with train.max_steps: N steps, one epoch boundary, 1 step (compat.steps_under_max_steps)
 QUEUE_DEPTH = 2  # asked trials waiting for slots: the head, and one that may backfill
 
 
@@ -69,7 +71,7 @@ def suggest(trial, spec: SweepSpec, base: Params) -> dict[str, Any]:
     return out
 
 
-def save_calibration(study, point: CalibrationPoint) -> None:
+def save_calibration(study, point: Point) -> None:
     raw = dict(study.user_attrs.get(CALIBRATION_ATTR, {}))
     raw[str(point.gpus)] = asdict(point)
     study.set_user_attr(CALIBRATION_ATTR, raw)
@@ -125,14 +127,14 @@ class Worker:
 
     # -------------------------------------------------------- study state
 
-    def calibration(self) -> dict[int, CalibrationPoint]:
+    def calibration(self) -> dict[int, Point]:
         raw = self.study.user_attrs.get(CALIBRATION_ATTR, {})
-        return {int(n): CalibrationPoint(**p) for n, p in raw.items()}
+        return {int(n): Point(**p) for n, p in raw.items()}
 
     def model(self) -> CostModel:
         return CostModel(self.calibration(), self.steps_fn)
 
-    def _save_calibration(self, point: CalibrationPoint) -> None:
+    def _save_calibration(self, point: Point) -> None:
         save_calibration(self.study, point)
 
     def start(self) -> None:
@@ -185,7 +187,9 @@ class Worker:
                 v = min(max(v, dim.low), dim.high)
                 v = int(v) if isinstance(base[section][name], int) else float(v)
             values[key] = v
-        values["train.epochs"] = self.spec.calibration_epochs(self.base) if "train.epochs" in self.spec.space else None
+        if "train.epochs" in self.spec.space:  # what the trial records; it runs CALIBRATION_EPOCHS (see _ask)
+            lo, hi = self.spec.epochs_range(self.base)
+            values["train.epochs"] = min(max(CALIBRATION_EPOCHS, lo), hi)
         values["train.gpus"] = gpus if "train.gpus" in self.spec.space else None
         return {k: v for k, v in values.items() if v is not None}
 
@@ -237,7 +241,7 @@ class Worker:
         if r.stopping is None:
             if now >= r.deadline:
                 self._stop(r, r.deadline_reason, now)
-            elif now - r.checked >= INTERMEDIATE_EVERY_S:
+            elif r.spec.role == "search" and now - r.checked >= INTERMEDIATE_EVERY_S:
                 r.checked = now
                 for epoch, value in sorted(r.handle.intermediate().items()):
                     if epoch not in r.reported:
@@ -277,32 +281,61 @@ class Worker:
             self.log(f"trial {t.number}: {status} after {out.wall_s:,.0f} s")
             if r.spec.role == "calibration":
                 self.closing = (f"calibration at {n} GPU(s) did not finish within {r.deadline - r.started:,.0f} s; "
-                                "raise calibration.max_s or the budget, or lower calibration.epochs")
+                                "raise calibration.max_s or the budget, or lower calibration.steps")
                 self.done_reason = self.closing
             return
-        if not out.ok or out.objective is None:
+        if not out.ok or (out.objective is None and r.spec.role != "calibration"):
             t.set_user_attr("status", "failed")
             t.set_user_attr("reason", out.message or "trial process failed")
             self.study.tell(t, state=TrialState.FAIL)
             self.log(f"trial {t.number}: failed: {out.message}")
             return
         if r.spec.role == "calibration":
-            point = CalibrationPoint.from_outcome(n, t.number, out)
-            self._save_calibration(point)
-            self.log(f"calibration at {n} GPU(s): start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + "
-                     f"{point.epoch_s:.1f} s/epoch; {point.tokens_per_s:,.0f} tokens/s")
+            self._calibrated(r, out)
+            return
         t.set_user_attr("status", "completed")
         self.rejections_in_a_row = 0
         self.study.tell(t, out.objective)
         pred = f" (predicted {r.predicted_s:,.0f} s)" if r.predicted_s else ""
         self.log(f"trial {t.number}: {self.spec.objective.metric} = {out.objective:.4f} in {out.wall_s:,.0f} s{pred}")
 
+    def _calibrated(self, r: Running, out: Outcome) -> None:
+        """A calibration is timing, not a trained draft: never told to the study as a completed
+        trial with a value (FAIL: samplers and pruners ignore it); its point feeds the cost model.
+        An unsettled step time asks for a calibration with twice the steps."""
+        from optuna.trial import TrialState
+
+        n, t = r.spec.params.train.gpus, r.trial
+        point = point_from_outcome(n, t.number, out)
+        steps = r.spec.params.train.max_steps or 0
+        again = not point.stable and 2 * steps <= self.spec.calibration.max_steps
+        t.set_user_attr("status", "calibration")
+        t.set_user_attr("reason", f"timing only ({steps} steps): " + (
+            f"step time not settled, calibrating again with {2 * steps}" if again else
+            f"start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch"))
+        self.study.tell(t, state=TrialState.FAIL)
+        if again:
+            self.study.enqueue_trial(self._calibration_values(n), user_attrs={"role": "calibration", "gpus": n,
+                                                                              "calibration_steps": 2 * steps})
+            self.log(f"calibration at {n} GPU(s): step time still moving after {steps} steps; again with {2 * steps}")
+            return
+        self._save_calibration(point)
+        self.rejections_in_a_row = 0
+        settled = "" if point.stable else f" (step time not settled within {steps} steps)"
+        self.log(f"calibration at {n} GPU(s): start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + "
+                 f"{point.epoch_s:.1f} s/epoch + evaluate {point.after_s or 0:,.1f} s; "
+                 f"{point.tokens_per_s:,.0f} tokens/s{settled}")
+
     def _ask(self) -> Pending:
         trial = self.study.ask()
         trial.set_user_attr("worker", self.worker_id)
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
         values = suggest(trial, self.spec, self.base)
-        params = trial_params(self.base, values)
+        run_values = values
+        if role == "calibration":  # a step-limited training: one timed epoch boundary (draftlab.compat)
+            steps = int(trial.user_attrs.get("calibration_steps") or self.spec.calibration.steps)
+            run_values = {**values, "train.epochs": CALIBRATION_EPOCHS, "train.max_steps": steps}
+        params = trial_params(self.base, run_values)
         trial.set_user_attr("role", role)
         trial.set_user_attr("gpus", params.train.gpus)
         trial.set_user_attr("resolved_lr", params.train.resolved_lr())
@@ -451,5 +484,5 @@ def drive(worker: Worker, poll_s: float = 1.0, on_tick: Callable[[Worker], None]
     return worker.done_reason or "done"
 
 
-__all__ = ["SpaceError", "Worker", "drive", "CostModel", "CalibrationPoint", "Outcome", "TrialSpec", "union_s",
+__all__ = ["SpaceError", "Worker", "drive", "CostModel", "Point", "Outcome", "TrialSpec", "union_s",
            "SystemClock", "STALE_AFTER_S", "steps_from_lengths"]

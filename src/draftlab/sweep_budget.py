@@ -1,6 +1,7 @@
 """What a sweep measures time, trials and budget with: the injectable clock and trial
 interfaces, the calibrated cost model, and the ledger of spent budget shared by all workers of a
-study (see draftlab.sweep for how the loop uses them).
+study (see draftlab.sweep for how the loop uses them). The cost model itself is
+draftlab.costmodel, shared with `draftlab plan` and the training ETA.
 
 Spent budget is the wall-clock during which at least one worker of the study was alive: each
 worker keeps its own [start, last heartbeat] span in the study's user attributes, and spent is
@@ -10,13 +11,13 @@ the *union* of the spans. A second worker on the same storage therefore shares t
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from draftlab.costmodel import CostModel, Point, Prediction  # noqa: F401 — the sweep's names
 from draftlab.params import Params
 
 WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
@@ -57,7 +58,7 @@ class Outcome:
     wall_s: float
     run_id: str | None = None
     message: str = ""
-    timing: dict | None = None  # steps, epochs, step_s, epoch_s, tokens_per_s (from the train run)
+    timing: dict | None = None  # costmodel.step_timing of the trial's training (its timing/* metrics)
 
 
 class Handle(Protocol):
@@ -74,70 +75,14 @@ class Launcher(Protocol):
     def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None: ...
 
 
-# ---------------------------------------------------------------- the cost model
+# ---------------------------------------------------------------- the cost model (draftlab.costmodel)
 
 
-@dataclass(frozen=True)
-class CalibrationPoint:
-    gpus: int
-    fixed_s: float  # process start-up, imports, vocab maps, evaluate: per trial
-    step_s: float  # one global optimizer step
-    epoch_s: float  # validation + checkpoint, per epoch
-    tokens_per_s: float  # real tokens per second while stepping, all ranks
-    steps: int
-    epochs: int
-    wall_s: float
-    trial: int  # the calibration trial's number in this study; -1 when taken from MLflow
-    source: str = ""  # "calibration trial 3", "mlflow run <id>"
-
-    @classmethod
-    def from_timing(cls, gpus: int, timing: dict, wall_s: float, *, trial: int = -1, source: str = "") -> CalibrationPoint:
-        steps, epochs = int(timing["steps"]), int(timing["epochs"])
-        step_s, epoch_s = float(timing["step_s"]), float(timing["epoch_s"])
-        fixed = max(wall_s - steps * step_s - epochs * epoch_s, 0.0)
-        return cls(gpus, fixed, step_s, epoch_s, float(timing["tokens_per_s"]), steps, epochs, wall_s, trial,
-                   source or f"calibration trial {trial}")
-
-    @classmethod
-    def from_outcome(cls, gpus: int, trial: int, out: Outcome) -> CalibrationPoint:
-        return cls.from_timing(gpus, out.timing or {}, out.wall_s, trial=trial)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    wall_s: float
-    steps: int
-    basis: str
-
-
-class CostModel:
-    """wall(n, epochs) = fixed(n) + steps(n, epochs) × step_s(n) + epochs × epoch_s(n)."""
-
-    def __init__(self, points: dict[int, CalibrationPoint], steps_fn: Callable[[Params], int]):
-        self.points = points
-        self.steps_fn = steps_fn
-
-    def predict(self, params: Params) -> Prediction | None:
-        n = params.train.gpus
-        if not self.points:
-            return None
-        steps = self.steps_fn(params)
-        if n in self.points:
-            p = self.points[n]
-            basis = f"{p.source or f'calibration trial {p.trial}'} at {n} GPU(s)"
-        else:  # per-step time held, steps shrink with n: linear scaling from the nearest count
-            p = min(self.points.values(), key=lambda q: (abs(math.log2(n / q.gpus)), -q.gpus))
-            basis = f"{p.source or 'calibration'} at {p.gpus} GPU(s), scaled linearly to {n}"
-        wall = p.fixed_s + steps * p.step_s + params.train.epochs * p.epoch_s
-        return Prediction(wall, steps, basis)
-
-    def scaling_efficiency(self) -> dict[int, float]:
-        """E(n) = T(n) / (n · T(n0) / n0) against the smallest calibrated count n0."""
-        if not self.points:
-            return {}
-        n0 = min(self.points)
-        per_gpu0 = self.points[n0].tokens_per_s / n0
-        return {n: p.tokens_per_s / (n * per_gpu0) for n, p in sorted(self.points.items())}
+def point_from_outcome(gpus: int, trial: int, out: Outcome) -> Point:
+    """A calibration trial's point: its training's timing; evaluate and the trial process's
+    own start-up are what the trial's wall-clock adds to the training's."""
+    timing = out.timing or {}
+    return Point.from_timing(gpus, timing, trial=trial, after_s=max(out.wall_s - float(timing["wall_s"]), 0.0))
 
 
 def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:

@@ -103,12 +103,16 @@ class Pruner(_Model):
 
 
 class Calibration(_Model):
-    epochs: int | None = Field(None, ge=1, description="Epochs of each calibration trial (null: the lowest "
-                               "epochs of the space, at least 2 so that the per-epoch cost is measured).")
+    steps: int = Field(20, ge=20, description="Optimizer steps of a calibration (`draftlab train` with "
+                       "epochs: 2, max_steps: this): step time, one epoch boundary and start-up, at a cost that "
+                       "does not grow with the dataset. Doubled (up to max_steps) until the median of the last "
+                       "10 step times moves by < 2 %.")
+    max_steps: int = Field(320, ge=20, description="Most steps a calibration may be doubled to.")
     max_s: float = Field(900, gt=0, description="Longest a calibration trial may run; the budget must exceed "
                          "their sum over the GPU counts not yet calibrated.")
-    reuse: bool = Field(True, description="Take a GPU count's calibration from a finished sweep trial in MLflow "
-                        "(any study) with the same draft, packing, evaluation, store and device model, if there is one.")
+    reuse: bool = Field(True, description="Take a GPU count's calibration from a finished calibration or sweep "
+                        "trial in MLflow (any study) with the same draft, packing, evaluation, store and device "
+                        "model, if there is one.")
 
 
 class SweepSpec(_Model):
@@ -150,10 +154,6 @@ class SweepSpec(_Model):
             return base.train.epochs, base.train.epochs
         vals = [int(v) for v in dim.extremes()]
         return min(vals), max(vals)
-
-    def calibration_epochs(self, base: Params) -> int:
-        lo, hi = self.epochs_range(base)
-        return self.calibration.epochs or min(max(lo, 2), hi)
 
 
 def _first_line(err: ValidationError, source: str) -> str:

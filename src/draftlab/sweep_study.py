@@ -17,43 +17,11 @@ from pathlib import Path
 
 from draftlab.params import Params
 from draftlab.sweep import PARENT_RUN_ATTR, SystemClock, Worker, drive, save_calibration, steps_from_lengths
-from draftlab.sweep_budget import CalibrationPoint
+from draftlab.sweep_budget import Point
 from draftlab.sweep_space import SpaceError, SweepSpec, check_spec
 from draftlab.util import write_json_atomic
 
 EXPERIMENT = "draftlab"
-TIMING_KEYS = ("steps", "epochs", "step_s", "epoch_s", "tokens_per_s")
-# what a trial's wall-clock depends on besides its GPU count, epochs and lr
-REUSE_MATCH = ("target.source", "target.path", "target.dtype", "train.total_seq_len", "train.draft_layers",
-               "train.ttt_steps", "train.draft_vocab_size", "train.hidden_states_dtype", "train.sharding",
-               "train.num_workers", "evaluate.backend", "evaluate.num_prompts", "evaluate.max_new_tokens")
-
-
-def calibration_from_mlflow(base: Params, gpu_counts, *, store_hash: str, device_model: str, client=None,
-                            experiment: str = EXPERIMENT, max_runs: int = 500) -> dict[int, CalibrationPoint]:
-    """The latest finished sweep trial (any study) per GPU count whose params in REUSE_MATCH,
-    hidden-state store and device model match: its logged timing is a calibration for free."""
-    from draftlab.params import flatten
-    from draftlab.tracking import _param_str
-
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return {}
-    want = {k: {_param_str(v), str(v)} for k, v in flatten(base).items() if k in REUSE_MATCH}
-    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED' and metrics.`sweep/timing_step_s` > 0",
-                              max_results=max_runs, order_by=["attributes.start_time DESC"])
-    found: dict[int, CalibrationPoint] = {}
-    for run in runs:
-        p, m, tags = run.data.params, run.data.metrics, run.data.tags
-        n = int(p.get("world_size", 0))
-        if n not in gpu_counts or n in found or any(p.get(k) not in v for k, v in want.items()):
-            continue
-        if tags.get("data.hidden_states_hash") != store_hash or tags.get("device.model") != device_model:
-            continue
-        timing = {k: m[f"sweep/timing_{k}"] for k in TIMING_KEYS}
-        found[n] = CalibrationPoint.from_timing(n, timing, m["sweep/trial_wall_s"],
-                                                source=f"mlflow run {run.info.run_id}")
-    return found
 
 
 def storage_url(spec: SweepSpec, out_dir: Path) -> str:
@@ -215,7 +183,8 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     front = pareto_front(rows, maximize)
     write_json_atomic(rep / "pareto.json", front)
     counts = {s: sum(r["status"] == s for r in rows) for s in
-              ("completed", "pruned", "rejected", "stopped-cap", "stopped-budget", "failed", "interrupted")}
+              ("calibration", "completed", "pruned", "rejected", "stopped-cap", "stopped-budget", "failed",
+               "interrupted")}
     summary = {"study": spec.study, "objective": spec.objective.metric, "direction": spec.objective.direction,
                "budget_s": budget_s, "spent_s": round(spent_s, 1), "overrun_s": round(max(spent_s - budget_s, 0), 1),
                "ended": ended, "trials": counts, "calibration": model_points,
@@ -288,14 +257,17 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
             raise SpaceError(f"{path}: no {what}; run `dvc repro extract` first (every trial trains on it)")
     check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
     mlflow.set_tracking_uri(tracking_uri())
-    reused: dict[int, CalibrationPoint] = {}
+    reused: dict[int, Point] = {}
     if spec.calibration.reuse:
         from draftlab import store
         from draftlab.stages.train import _device_tags
 
-        reused = calibration_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
-                                         device_model=_device_tags("cuda" if gpu else "cpu")["device.model"],
-                                         client=mlflow.MlflowClient())
+        from draftlab.costmodel import points_from_mlflow
+
+        found = points_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
+                                   device_model=_device_tags("cuda" if gpu else "cpu")["device.model"],
+                                   client=mlflow.MlflowClient())
+        reused = {n: p for n, p in found.items() if p.after_s is not None}  # a trial's: evaluate timed too
     if "://" not in url and not Path(url).exists():  # a new study: every check before anything is written
         check_spec(spec, base, num_devices=len(devices), calibrated=set(reused))
     storage = open_storage(url)
@@ -320,7 +292,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                   f"objective {spec.objective.direction} {spec.objective.metric}; MLflow parent run {parent}")
     launcher = launcher or ProcessLauncher(study=spec.study, metric=spec.objective.metric, target_dir=target_dir,
                                            data_dir=data_dir, store_dir=store_dir, parent_run_id=parent,
-                                           gpu_slots=gpu)
+                                           gpu_slots=gpu, total_slots=len(devices))
     worker = Worker(spec, base, study, launcher=launcher, clock=clock or SystemClock(), devices=devices,
                     out_dir=out_dir, steps_fn=steps_from_lengths(lengths), n_trials=n_trials,
                     log=lambda line: console.print(f"[bold]sweep[/]: {line}", soft_wrap=True))

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -25,26 +24,6 @@ from typing import Sequence
 
 from draftlab.sweep_budget import Outcome, TrialSpec
 from draftlab.util import write_json_atomic
-
-
-def step_timing(run_id: str, train_dir: Path) -> dict:
-    """Seconds per global step and per epoch boundary (validation + checkpoint), from the
-    timestamps of the run's `train/loss` records and the accounting's steps per epoch."""
-    import mlflow
-
-    history = sorted(mlflow.MlflowClient().get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
-    ts = {m.step: m.timestamp / 1000 for m in history}
-    acct = json.loads((train_dir / "accounting.json").read_text())
-    per_epoch = [e["steps"] for e in acct["epochs"]]
-    plan = json.loads((train_dir / "plan.json").read_text())
-    ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
-    inner = [ts[s + 1] - ts[s] for s in range(len(ts) - 1) if s in ts and s + 1 in ts and s not in ends]
-    step_s = statistics.median(inner) if inner else 0.0
-    bounds = [ts[e + 1] - ts[e] - step_s for e in ends[:-1] if e in ts and e + 1 in ts]
-    epoch_s = max(statistics.median(bounds), 0.0) if bounds else 0.0
-    tokens = statistics.mean(plan["step_tokens"]) if plan["step_tokens"] else 0.0
-    return {"steps": sum(per_epoch), "epochs": len(per_epoch), "step_s": step_s, "epoch_s": epoch_s,
-            "tokens_per_s": tokens / step_s if step_s else 0.0}
 
 
 def objective_of(metric: str, eval_metrics: dict, run_id: str) -> float:
@@ -85,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--role", default="search")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
+    from draftlab import threads
+
+    threads.configure()  # the slot's share, set by the sweep in OMP_NUM_THREADS
 
     from draftlab.params import ParamsError, load_params
     from draftlab.stages import evaluate, train
@@ -100,16 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.parent_run_id:
             tags["mlflow.parentRunId"] = a.parent_run_id
         tr = train.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
-                       out_dir=out / "train", run_tags=tags)
+                       out_dir=out / "train", run_tags=tags, started_at=started)
         tracker = MlflowTracker(tr.run_id)
+        # a calibration is evaluated too: its evaluate time is part of every trial's cost
         ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                           train_dir=out / "train", out_dir=out / "reports", tracker=tracker)
-        value = objective_of(a.metric, ev.metrics, tr.run_id)
-        timing = step_timing(tr.run_id, out / "train")
+        value = None if a.role == "calibration" else objective_of(a.metric, ev.metrics, tr.run_id)
+        timing = json.loads((out / "train" / "train.json").read_text())["timing"] or {}
         wall = time.time() - started
-        # the timing lets later sweeps calibrate from this run instead of running their own
-        tracker.log_metrics({"sweep/trial_wall_s": wall, "sweep/objective": value,
-                             **{f"sweep/timing_{k}": v for k, v in timing.items()}})
+        # timing/after_s lets later sweeps take this run as a calibration (costmodel.points_from_mlflow)
+        tracker.log_metrics({"sweep/trial_wall_s": wall, "timing/after_s": max(wall - timing.get("wall_s", wall), 0.0),
+                             **({} if value is None else {"sweep/objective": value})})
         result = {"ok": True, "objective": value, "run_id": tr.run_id, "timing": timing, "wall_s": wall}
         rc = 0
     except KeyboardInterrupt:
@@ -209,8 +192,9 @@ class ProcessLauncher:
     """Trials as `python -m draftlab.trial` processes, each in its own session."""
 
     def __init__(self, *, study: str, metric: str, target_dir: Path, data_dir: Path, store_dir: Path,
-                 parent_run_id: str | None, gpu_slots: bool):
+                 parent_run_id: str | None, gpu_slots: bool, total_slots: int = 1):
         self.study, self.metric = study, metric
+        self.total_slots = total_slots  # this worker's device slots (the trials' threads split the CPUs)
         self.target_dir, self.data_dir, self.store_dir = target_dir, data_dir, store_dir
         self.parent_run_id, self.gpu_slots = parent_run_id, gpu_slots
 
@@ -227,11 +211,16 @@ class ProcessLauncher:
                "--study", self.study, "--metric", self.metric, "--trial", str(spec.number), "--role", spec.role]
         if self.parent_run_id:
             cmd += ["--parent-run-id", self.parent_run_id]
-        env = dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices))
+        from draftlab import threads
+
+        # the trial's share of this host's threads, so trials side by side never hold more
+        # threads than there are CPUs: a CPU slot is one CPU; GPU slots split the CPUs evenly
+        n = len(spec.devices)
+        total = threads.budget()
+        share = min(n, total) if not self.gpu_slots else max(total * n // max(self.total_slots, n), 1)
+        env = threads.thread_env(1, dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices)), total=share)
         if self.gpu_slots:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices)
-        else:  # CPU slots: one intra-op thread per rank, so trials on disjoint slots do not fight
-            env.setdefault("OMP_NUM_THREADS", "1")
         log = open(spec.trial_dir / "trial.log", "ab")  # noqa: SIM115 — closed by the handle
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return ProcessHandle(proc, spec.trial_dir, self.metric, spec.params.train.ttt_steps, log)

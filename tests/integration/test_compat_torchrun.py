@@ -193,6 +193,27 @@ def test_one_rank_trains_with_extra_metric_handler(workspace, tmp_path):
     assert [r["epoch"] for r in records if "val/loss_epoch" in r] == list(range(EPOCHS))
 
 
+def test_max_steps_trains_one_more_step_per_later_epoch_as_pinned(workspace, tmp_path):
+    """The quirk `draftlab.compat.steps_under_max_steps` pins: each epoch after the limit
+    trains one step and validates. Fails when speculators changes it."""
+    from draftlab.compat import steps_under_max_steps
+
+    metrics_path = tmp_path / "metrics.jsonl"
+    save_path = tmp_path / "checkpoints"
+    expected = expected_steps_per_epoch(workspace, world_size=1)
+    max_steps = 3
+    assert expected[0] > max_steps, "the dataset must give the first epoch more steps than the limit"
+    argv = train_argv(workspace, save_path) + ["--max-steps", str(max_steps)]
+    run([sys.executable, "-c", ONE_RANK_DRIVER, str(metrics_path), *argv], tmp_path)
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    per_epoch = [sum(1 for r in records if "train/loss" in r and r["epoch"] == e) for e in range(EPOCHS)]
+    assert per_epoch == steps_under_max_steps(expected, max_steps) == [max_steps] + [1] * (EPOCHS - 1)
+    assert [r["epoch"] for r in records if "val/loss_epoch" in r] == list(range(EPOCHS))
+    state = json.loads((save_path / str(EPOCHS - 1) / "training_state.json").read_text())
+    assert state["global_step"] == max_steps + EPOCHS - 1
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_gloo_ranks_train_under_torchrun(workspace, tmp_path, sharding):
     save_path = tmp_path / "checkpoints"

@@ -200,3 +200,24 @@ def test_run_trainer_feeds_extra_handlers_and_fails_when_interrupted(
         logging.getLogger("speculators.metrics").removeHandler(recorder)
     assert received == [(3, {"train": {"loss": 2.5}})]
     assert cli.setup_metric_logger is stock_setup
+
+
+def test_explicit_scheduler_total_steps_overrides_max_steps():
+    """draftlab passes --scheduler-total-steps; speculators would otherwise decay over max_steps."""
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+
+    def total(**kw):
+        cfg = TrainerConfig(lr=1e-3, num_epochs=2, save_path="unused", **kw)
+        return _resolve_scheduler_steps(cfg, train_loader_len=10)[1]
+
+    assert total(max_steps=5) == 5
+    assert total(max_steps=5, scheduler_total_steps=9) == 9
+
+
+def test_steps_under_max_steps_follows_the_trainer_loop():
+    from draftlab.compat import steps_under_max_steps
+
+    assert steps_under_max_steps([10, 10], None) == [10, 10]
+    assert steps_under_max_steps([10, 10], 4) == [4, 1]
+    assert steps_under_max_steps([10, 9, 8], 20) == [10, 9, 1]
+    assert steps_under_max_steps([3, 3], 5) == [3, 2]

@@ -22,7 +22,7 @@ def kimi_plan():
     ref = pl.reference_run_hours(train_samples=35_446, epochs=5, steps_per_s=REF_STEPS_PER_S, world_size=4,
                                  tokens_per_rank_step=REF_TOKENS_PER_RANK_STEP)
     plan = pl.make_plan(pl.Scenario(**KIMI), gpu_counts=(4,),
-                        throughputs=[pl.Throughput(4, ref.tokens_per_s, "stated")],
+                        stated=pl.Throughput(4, ref.tokens_per_s),
                         shm_bytes=pl.CONTAINER_DEFAULT_SHM_BYTES, disk_free=2 * 2**40,
                         observed_steps_per_epoch=35_446)
     return plan, ref
@@ -49,7 +49,7 @@ def test_kimi_k2_5_reference_scenario(kimi_plan):
     # wall-clock: 5 sharded epochs at the reference throughput ≈ 8.8 h, a quarter of its 35 h
     assert ref.tokens_per_s == pytest.approx(13_200, rel=0.005)
     (row,) = plan.rows
-    assert row.gpus == 4 and row.throughput_source == "stated"
+    assert row.gpus == 4 and row.throughput_source == "stated tokens/s at 4 GPU(s)"
     assert row.wall_clock_s / 3600 == pytest.approx(8.8, abs=0.05)
     assert row.gpu_hours == pytest.approx(4 * 8.8, abs=0.2)
     assert ref.unsharded_steps == 177_230
@@ -76,14 +76,17 @@ def test_a_sound_plan_has_no_warnings(kimi_plan):
     assert [w.code for w in pl.check_plan(fixed, sharded=False)] == ["not-sharded"]
 
 
-def test_throughput_scaling_and_sources():
-    pts = [pl.Throughput(4, 13_200.0, "stated"), pl.Throughput(1, 3_000.0, "mlflow run abc")]
-    assert pl.throughput_at(pts, 4).source == "stated"
-    eight = pl.throughput_at(pts, 8)
-    assert eight.tokens_per_s == pytest.approx(26_400) and eight.source.startswith("stated at 4 GPU(s)")
-    two = pl.throughput_at(pts, 2, scaling_efficiency=0.9)  # equidistant: the larger measurement wins
-    assert two.tokens_per_s == pytest.approx(13_200 / 2 / 0.9) and "0.9 per doubling" in two.source
-    assert pl.throughput_at([], 4) is None
+def test_nearest_point_and_stated_throughput():
+    from draftlab import costmodel as cm
+
+    four = cm.stated_point(4, 13_200.0, tokens_per_step=2_640.0)
+    one = cm.Point(1, 30.0, 0.5, 4.0, 3_000.0, 20, 2, 44.0, source="mlflow run abc")
+    assert four.step_s == pytest.approx(0.2) and four.fixed_s == 0
+    assert cm.nearest({4: four, 1: one}, 4) == (four, "stated tokens/s at 4 GPU(s)")
+    p8, how8 = cm.nearest({4: four, 1: one}, 8)
+    assert p8 is four and "s/step held" in how8
+    assert cm.nearest({4: four, 1: one}, 2)[0] is four  # equidistant in log2: the larger count wins
+    assert cm.nearest({}, 4) is None
     assert pl.tokens_per_s_from_steps(1.4, 4, 2_353) == pytest.approx(13_176.8)
 
 
@@ -134,13 +137,21 @@ def test_plan_from_dataset_lengths_is_exact_and_warns_on_truncation():
     lengths = [100] * 50 + [1500] * 10  # 60 rows, train split 54: 4 of its rows are longer than 1024
     s = pl.Scenario(num_samples=60, num_tokens=sum(lengths), hidden_size=64, train_ratio=0.9, total_seq_len=1024,
                     epochs=2, world_size=2, lr_scaling="linear", num_workers=2, prefetch_factor=2)
-    plan = pl.make_plan(s, lengths=lengths, gpu_counts=(1, 2), throughputs=[pl.Throughput(1, 1000.0, "calibration")])
+    from draftlab.costmodel import Point
+
+    cal = Point(1, fixed_s=30.0, step_s=0.5, epoch_s=4.0, tokens_per_s=1000.0, steps=21, epochs=2, wall_s=44.5,
+                source="calibration trial 0", measured_at=1_000.0)
+    plan = pl.make_plan(s, lengths=lengths, gpu_counts=(1, 2), points={1: cal}, now=1_000.0 + 7200)
     assert plan.steps.exact and plan.steps.truncated_samples == 4  # the last 6 rows are validation
     assert plan.steps.trained_tokens_per_epoch == 50 * 100 + 4 * 1024
     assert plan.store_bytes == pl.store_bytes(sum(lengths), 60, 64)
     assert [w.code for w in plan.warnings] == ["samples-truncated"]
     one, two = plan.rows
-    assert one.throughput_source == "calibration" and two.wall_clock_s == pytest.approx(one.wall_clock_s / 2)
+    assert one.throughput_source == "calibration trial 0 at 1 GPU(s); 2 h old"
+    # start-up + steps × s/step + (epochs − 1) boundaries × s/epoch; at 2 GPUs s/step held
+    assert one.wall_clock_s == pytest.approx(30 + one.total_steps[0] * 0.5 + 1 * 4.0)
+    assert two.wall_clock_s == pytest.approx(30 + two.total_steps[0] * 0.5 + 1 * 4.0)
+    assert "s/step held" in two.throughput_source and two.total_steps[0] < one.total_steps[0]
     assert plan.to_json()["train_samples"] == 54
 
 
@@ -163,33 +174,11 @@ def test_batch_bytes_matches_speculators_collate():
     assert held == pl.batch_bytes(total, h, "bfloat16")
 
 
-def test_throughputs_from_mlflow_takes_the_latest_matching_run_per_world_size():
-    from tests.conftest import tiny_params
-
-    params = tiny_params()
-    from draftlab.params import flatten
-
-    base = {k: str(v) for k, v in flatten(params).items() if k in pl.MATCH_PARAMS}
-
-    def run(run_id, world, tps, **changed):
-        return SimpleNamespace(info=SimpleNamespace(run_id=run_id),
-                               data=SimpleNamespace(params={**base, "world_size": str(world), **changed},
-                                                    metrics={"perf/run_tokens_per_s": tps}, tags={}))
-
-    runs = [run("new4", 4, 900.0), run("old4", 4, 500.0), run("other", 2, 1.0, **{"train.total_seq_len": "99"}),
-            run("two", 2, 450.0)]
-    client = SimpleNamespace(get_experiment_by_name=lambda name: SimpleNamespace(experiment_id="1"),
-                             search_runs=lambda *a, **k: runs)
-    got = pl.throughputs_from_mlflow(params, client=client)
-    assert [(t.gpus, t.tokens_per_s, t.source) for t in got] == [(2, 450.0, "mlflow run two"),
-                                                                  (4, 900.0, "mlflow run new4")]
-
-
 def test_plan_json_is_serialisable(kimi_plan):
     import json
 
     out = json.loads(json.dumps(kimi_plan[0].to_json()))
-    assert out["steps"]["bounds_per_epoch"] == [5_091, 8_861] and out["rows"][0]["throughput_source"] == "stated"
+    assert out["steps"]["bounds_per_epoch"] == [5_091, 8_861] and out["rows"][0]["throughput_source"].startswith("stated")
     assert {w["code"] for w in out["warnings"]} >= {"shm-too-small", "lr-not-scaled"}
 
 

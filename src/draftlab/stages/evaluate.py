@@ -232,6 +232,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
 
         require_gpu_and_vllm()  # before anything loads: a CPU host fails at once
     train = json.loads((Path(train_dir) / "train.json").read_text())
+    if train.get("calibration"):  # a sweep times evaluate on it; its figures are no draft's quality
+        console.print(f"[yellow]evaluate[/]: {train_dir} is a step-limited calibration run "
+                      f"({train.get('total_steps')} steps), not a trained draft: its acceptance figures are "
+                      "marked eval/calibration = 1 and say nothing about a trained draft")
     manifest = store.read_manifest(store_dir)
     target, tokenizer = load_target(params, target_dir)
     draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir))
@@ -247,6 +251,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
+    metrics["eval/calibration"] = 1.0 if train.get("calibration") else 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "metrics.json", {**metrics, "run_id": train["run_id"]})
     steps = params.train.ttt_steps

@@ -107,6 +107,10 @@ def _read_checkpoint(train_dir: Path) -> tuple[dict, Path, dict]:
     if not pointer.exists():
         raise FileNotFoundError(f"{pointer}: not found; run `draftlab train` (or `dvc repro train`) first")
     train = json.loads(pointer.read_text())
+    if train.get("calibration"):
+        raise ParamsError(f"{pointer}: MLflow run {train.get('run_id')} is a step-limited calibration "
+                          f"({train.get('total_steps')} steps, train.max_steps set), not a trained draft; set "
+                          "train.max_steps: null and train")
     checkpoint = Path(train["checkpoint"])
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(f"{checkpoint}/config.json: the checkpoint named by {pointer} is missing")

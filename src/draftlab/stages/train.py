@@ -81,13 +81,14 @@ def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
     lengths, loss_tokens = train_split(data_dir, params.data.train_ratio)
     t = params.train
     a = acc.plan_epochs(lengths, loss_tokens=loss_tokens, total_seq_len=t.total_seq_len,
-                        world_size=t.world_size(), epochs=t.epochs, seed=t.seed)
+                        world_size=t.world_size(), epochs=t.epochs, seed=t.seed).limited(t.max_steps)
     clipped = [min(n, t.total_seq_len) for n in lengths]
     step_tokens: list[int] = []
     for epoch in range(t.epochs):
         per_rank = [acc.rank_batches(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
                                      rank=r, seed=t.seed, epoch=epoch) for r in range(t.world_size())]
-        for s in range(len(per_rank[0])):
+        trained = a.trained_steps[epoch] if a.max_steps is not None else len(per_rank[0])
+        for s in range(trained):
             step_tokens.append(sum(clipped[i] for r in per_rank for i in r[s]))
     return a, step_tokens
 
@@ -101,7 +102,8 @@ def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = No
     t.add_row("packing", f"batch_size 1 per rank = one row of ≤ {a.total_seq_len:,} tokens")
     t.add_row("tokens per step (capacity)", f"{a.tokens_per_step:,} = {a.world_size} × {a.total_seq_len:,}")
     t.add_row("steps per epoch", ", ".join(str(e.steps) for e in a.epochs))
-    t.add_row("total steps", f"{a.total_steps:,}")
+    t.add_row("total steps", f"{a.total_steps:,}" + ("" if a.max_steps is None else
+              f" (calibration: --max-steps {a.max_steps}; per epoch {', '.join(map(str, a.trained_steps))})"))
     t.add_row("dropped samples per epoch", ", ".join(str(d) for d in a.dropped_samples))
     t.add_row("lr", f"{params.train.resolved_lr():.3g} (base {params.train.lr:g} at {params.train.lr_base_gpus} rank(s), rule {params.train.lr_scaling})")
     if eta_s is not None:
@@ -161,6 +163,8 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir
     ]  # fmt: skip
     if device == "cpu":
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    if t.max_steps is not None:
+        argv += ["--max-steps", str(t.max_steps)]
     if t.sharding == "fsdp":
         argv.append("--fsdp-shard")
     return argv + list(t.extra_args)
@@ -316,9 +320,31 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
+def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
+    """Global step at the end of each epoch, from the epoch checkpoints' training state."""
+    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
+    return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
+
+
+def log_timing(a: acc.Accounting, step_tokens: list[int], out_dir: Path, wall_s: float, tracker) -> dict:
+    """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
+    `draftlab plan` and the sweep read back as a cost-model point)."""
+    from draftlab import costmodel, telemetry
+
+    ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
+    per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
+    timing = costmodel.step_timing(ends, per_epoch, step_tokens, wall_s)
+    tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
+    write_json_atomic(out_dir / "timing.json", timing)
+    return timing
+
+
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
-        run_tags: dict[str, str] | None = None) -> TrainResult:
-    """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number)."""
+        run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
+    """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
+    `started_at`: when this training's process started (time.time()); default: now. Everything
+    from then to the end counts as the cost model's start-up."""
+    started_at = time.time() if started_at is None else started_at
     import mlflow
 
     from draftlab.console import console
@@ -350,7 +376,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
                                 "train.resolved_lr": params.train.resolved_lr(), "device": device})
             tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
-                              "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train"})
+                              "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train",
+                              "draftlab.calibration": str(params.train.max_steps is not None).lower()})
         else:
             tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
             console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
@@ -364,7 +391,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         cmd = torchrun_cmd(params, argv)
         write_json_atomic(out_dir / "command.json", {"cmd": cmd})
         (out_dir / "failure.json").unlink(missing_ok=True)
-        env = dict(os.environ, MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
+        from draftlab import threads
+
+        # the ranks on this node split this process's threads (torchrun would give each 1, or
+        # torch each one per core of the machine)
+        env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
                    MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
@@ -393,7 +424,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             raise TrainingFailed(f"train: {why}; see {out_dir / 'logs'} and MLflow run {run_id}")
 
         observed_steps = last_global_step(out_dir / "checkpoints")
-        problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0)
+        problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
+                                      epoch_end_steps(out_dir / "checkpoints"))
         write_json_atomic(out_dir / "accounting-check.json", {"problems": problems, "observed_steps": observed_steps})
         tracker.log_artifact(out_dir / "accounting.json")
         tracker.log_artifact(out_dir / "accounting-check.json")
@@ -412,9 +444,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
+        timing = None if resumed else log_timing(a, step_tokens, out_dir, time.time() - started_at, tracker)
         result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
                   "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
-                  "accounting": "verified", "bottleneck": verdict.overall.label}
+                  "accounting": "verified", "bottleneck": verdict.overall.label,
+                  "calibration": params.train.max_steps is not None, "timing": timing}
         write_json_atomic(out_dir / "train.json", result)
         client.set_terminated(run_id, "FINISHED")
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
