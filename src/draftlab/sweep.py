@@ -317,6 +317,7 @@ class Worker:
         if again:
             self.study.enqueue_trial(self._calibration_values(n), user_attrs={"role": "calibration", "gpus": n,
                                                                               "calibration_steps": 2 * steps})
+            self.queue.insert(0, self._ask())  # ahead of the search trials that wait for it
             self.log(f"calibration at {n} GPU(s): step time still moving after {steps} steps; again with {2 * steps}")
             return
         self._save_calibration(point)

@@ -13,8 +13,9 @@ import yaml
 
 from draftlab.params import parse_params
 from draftlab.sweep import Worker
-from draftlab.sweep_budget import (STALE_AFTER_S, CalibrationPoint, CostModel, Outcome, steps_from_lengths,
-                            union_s)
+from draftlab.compat import steps_under_max_steps
+from draftlab.sweep_budget import (STALE_AFTER_S, CostModel, Outcome, Point, point_from_outcome, steps_from_lengths,
+                                   union_s)
 from draftlab.sweep_space import SpaceError, check_spec, parse_duration, read_spec
 from draftlab.sweep_study import open_storage, open_study, pareto_front
 
@@ -40,7 +41,9 @@ STEP_S = {1: 2.0, 2: 2.2}
 
 
 def sim_steps(params) -> int:
-    return params.train.epochs * math.ceil(40 / params.train.gpus)
+    """What the trainer runs: 40 rows per epoch sharded, a calibration cut by max_steps as speculators cuts it."""
+    per_epoch = [math.ceil(40 / params.train.gpus)] * params.train.epochs
+    return sum(steps_under_max_steps(per_epoch, params.train.max_steps))
 
 
 def sim_duration(params) -> float:
@@ -68,8 +71,10 @@ class SimHandle:
         if now - self.start >= self.duration:
             p = self.spec.params
             timing = {"steps": sim_steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
-                      "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus]}
-            return Outcome(True, sim_quality(p), self.duration, run_id=f"run{self.spec.number}", timing=timing)
+                      "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus],
+                      "wall_s": self.duration, "stable": self.launcher.settled(self.spec)}
+            value = None if self.spec.role == "calibration" else sim_quality(p)  # as draftlab.trial reports
+            return Outcome(True, value, self.duration, run_id=f"run{self.spec.number}", timing=timing)
         return None
 
     def intermediate(self):
@@ -87,8 +92,9 @@ class SimHandle:
 
 
 class SimLauncher:
-    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None):
+    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None, settled=None):
         self.clock, self.duration, self.honors_sigterm = clock, duration, honors_sigterm
+        self.settled = settled or (lambda spec: True)
         self.epoch_value = epoch_value or (lambda p, e: sim_quality(p) - 0.05 * (p.train.epochs - e))
         self.started: list = []  # (spec, start time, handle)
         self.reaped: list = []
@@ -117,7 +123,7 @@ BASE = parse_params({"train": {"epochs": 2, "lr": 3e-3}})
 
 def make_spec(tmp_path, **over):
     raw = {"study": "sim", "budget": 600, "stop_grace_s": GRACE, "safety_margin": 0.1,
-           "pruner": {"kind": "none"}, "calibration": {"epochs": 1, "max_s": 200},
+           "pruner": {"kind": "none"}, "calibration": {"steps": 20, "max_s": 200},
            "space": {"train.epochs": {"low": 1, "high": 4}, "train.lr": {"low": 1e-3, "high": 1e-2, "log": True},
                      "train.gpus": {"choices": [1, 2]}}}
     raw.update(over)
@@ -215,24 +221,24 @@ def test_prediction_uses_the_packing_sampler_and_the_calibrated_costs():
     one_epoch = planning.plan_from_lengths(lengths, total_seq_len=512, world_size=1, epochs=1, exact=False)
     assert steps(p1) == 3 * one_epoch.central_total_steps
     assert steps(p2) < steps(p1), "two ranks shard the data: fewer global steps"
-    point = CalibrationPoint(1, fixed_s=30, step_s=0.5, epoch_s=4, tokens_per_s=900, steps=10, epochs=1, wall_s=39, trial=0)
+    point = Point(1, fixed_s=30, step_s=0.5, epoch_s=4, tokens_per_s=900, steps=10, epochs=1, wall_s=39, trial=0)
     pred = CostModel({1: point}, steps).predict(p1)
-    assert pred.wall_s == pytest.approx(30 + steps(p1) * 0.5 + 3 * 4)
+    assert pred.wall_s == pytest.approx(30 + steps(p1) * 0.5 + 2 * 4)
     scaled = CostModel({1: point}, steps).predict(p2)
-    assert "scaled linearly" in scaled.basis and scaled.wall_s < pred.wall_s
+    assert "s/step held" in scaled.basis and scaled.wall_s < pred.wall_s
 
 
 def test_calibration_point_reproduces_the_calibration_trial():
-    out = Outcome(True, 1.5, wall_s=100.0, timing={"steps": 20, "epochs": 2, "step_s": 2.0, "epoch_s": 5.0,
-                                                    "tokens_per_s": 800})
-    p = CalibrationPoint.from_outcome(1, 0, out)
-    assert p.fixed_s == pytest.approx(50.0)
+    out = Outcome(True, None, wall_s=110.0, timing={"steps": 20, "epochs": 2, "step_s": 2.0, "epoch_s": 5.0,
+                                                     "tokens_per_s": 800, "wall_s": 100.0})
+    p = point_from_outcome(1, 0, out)
+    assert p.fixed_s == pytest.approx(55.0) and p.after_s == pytest.approx(10.0)  # evaluate after training
     base1 = BASE.model_copy(update={"train": BASE.train.model_copy(update={"epochs": 2})})
-    assert CostModel({1: p}, lambda params: 20).predict(base1).wall_s == pytest.approx(100.0)
+    assert CostModel({1: p}, lambda params: 20).predict(base1).wall_s == pytest.approx(110.0)
 
 
 def test_scaling_efficiency_is_logged_per_gpu_count():
-    pts = {n: CalibrationPoint(n, 10, 1, 1, tps, 10, 1, 30, n) for n, tps in ((1, 1000.0), (2, 1800.0), (4, 3000.0))}
+    pts = {n: Point(n, 10, 1, 1, tps, 10, 1, 30, n) for n, tps in ((1, 1000.0), (2, 1800.0), (4, 3000.0))}
     eff = CostModel(pts, lambda p: 1).scaling_efficiency()
     assert eff == pytest.approx({1: 1.0, 2: 0.9, 4: 0.75})
 
@@ -255,7 +261,12 @@ def test_calibrates_each_gpu_count_then_predicts_within_the_margin(tmp_path):
     trials = w.study.get_trials()
     cal = [t for t in trials if t.user_attrs.get("role") == "calibration"]
     assert sorted(t.user_attrs["gpus"] for t in cal) == [1, 2]
-    assert all(t.params["train.epochs"] == 1 and t.params["train.lr"] == pytest.approx(3e-3) for t in cal)
+    assert all(t.params["train.lr"] == pytest.approx(3e-3) for t in cal)
+    # step-limited: epochs 2, max_steps 20 (20 steps, one boundary, 1 step); timing, never a completed trial
+    ran = {spec.number: spec for spec, _, _ in launcher.started}
+    assert all((ran[t.number].params.train.epochs, ran[t.number].params.train.max_steps) == (2, 20) for t in cal)
+    assert all(sim_steps(ran[t.number].params) == 21 for t in cal)
+    assert all(t.state.name == "FAIL" and t.user_attrs["status"] == "calibration" and t.value is None for t in cal)
     assert set(w.calibration()) == {1, 2}
     for t in trials:
         if t.user_attrs.get("role") == "search" and t.user_attrs.get("status") == "completed":
@@ -309,7 +320,7 @@ def test_pruner_stops_trials_whose_epochs_fall_behind(tmp_path):
     launcher = SimLauncher(clock, epoch_value=lambda p, e: (0.1 if p.train.lr > 5e-3 else 1.0) + 0.01 * e)
     spec = make_spec(tmp_path, budget=5000, pruner={"kind": "median", "startup_trials": 2, "warmup_epochs": 0},
                      space={"train.epochs": {"choices": [4]}, "train.lr": {"choices": [2e-3, 9e-3]},
-                            "train.gpus": {"choices": [1]}}, calibration={"epochs": 4, "max_s": 400})
+                            "train.gpus": {"choices": [1]}}, calibration={"steps": 20, "max_s": 400})
     w = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",), n_trials=8)
     run_to_end(w, clock)
     pruned = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "pruned"]
@@ -431,38 +442,13 @@ def test_per_epoch_values_are_indexed_by_epoch_not_global_step():
     assert epoch_values(client, "r", "val/loss", ttt_steps=2) == {0: 3.0, 1: 2.5}
 
 
-def test_calibration_is_taken_from_a_matching_finished_trial_in_mlflow(tmp_path):
-    import mlflow
-    from mlflow.entities import Metric, Param, RunTag
+def test_an_unsettled_calibration_is_redone_with_twice_the_steps(tmp_path):
+    clock = FakeClock()
+    launcher = SimLauncher(clock, settled=lambda spec: (spec.params.train.max_steps or 40) >= 40)
+    spec = make_spec(tmp_path, budget=900, space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
+    w = make_worker(tmp_path, spec, clock, launcher, n_trials=3)
+    run_to_end(w, clock)
+    cal = [s for s, _, _ in launcher.started if s.role == "calibration"]
+    assert [s.params.train.max_steps for s in cal] == [20, 40]
+    assert w.calibration()[1].steps == sum(steps_under_max_steps([40, 40], 40))  # the settled one is kept
 
-    from draftlab.params import flatten
-    from draftlab.sweep_study import calibration_from_mlflow
-    from draftlab.tracking import _param_str
-
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    exp = client.create_experiment("draftlab")
-    timing = {"steps": 20, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0}
-
-    def trial_run(params, world_size, *, store="abc", device="cpu-x", finished=True):
-        run = client.create_run(exp)
-        rid = run.info.run_id
-        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(params).items()]
-                         + [Param("world_size", str(world_size))],
-                         tags=[RunTag("data.hidden_states_hash", store), RunTag("device.model", device)],
-                         metrics=[Metric(f"sweep/timing_{k}", float(v), 0, 0) for k, v in timing.items()]
-                         + [Metric("sweep/trial_wall_s", 80.0, 0, 0)])
-        if finished:
-            client.set_terminated(rid, "FINISHED")
-        return rid
-
-    other_len = BASE.model_copy(update={"train": BASE.train.model_copy(update={"total_seq_len": 2048})})
-    good = trial_run(BASE, 1)
-    trial_run(other_len, 2)  # another packing length: not this sweep's cost
-    trial_run(BASE, 2, store="other")  # another hidden-state store
-    trial_run(BASE, 2, device="gpu-y")  # another device model
-    trial_run(BASE, 2, finished=False)  # still running (or killed)
-    found = calibration_from_mlflow(BASE, [1, 2], store_hash="abc", device_model="cpu-x", client=client)
-    assert set(found) == {1}
-    point = found[1]
-    assert point.source == f"mlflow run {good}"
-    assert point.fixed_s == pytest.approx(80 - 20 * 1.5 - 2 * 0.5)
