@@ -179,3 +179,37 @@ def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_s
     cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert len(cfg["eagle_aux_hidden_state_layer_ids"]) == 3
     assert cfg["speculators_config"]["verifier"]["name_or_path"]
+
+
+def test_step_limited_calibration_is_accounted_timed_marked_and_refused_by_export(built, tmp_path, mlflow_store):
+    """epochs 2 + max_steps N: N steps, one epoch boundary, 1 step (draftlab.compat's pin), checked
+    by the accounting; its timing/* metrics are a cost-model point `plan` and the sweep read back."""
+    from draftlab import costmodel, plan_inputs
+    from draftlab.params import ParamsError
+    from draftlab.stages import export
+
+    params = _train_params(built, epochs=2, max_steps=4)
+    result = _run(params, built, tmp_path / "run")
+    assert result.total_steps == 5
+    check = json.loads((tmp_path / "run" / "accounting-check.json").read_text())
+    assert check == {"problems": [], "observed_steps": 5}
+    run = mlflow_store.get_run(result.run_id)
+    assert run.data.tags["draftlab.calibration"] == "true" and run.data.tags["draftlab.accounting"] == "verified"
+    steps = [m.step for m in mlflow_store.get_metric_history(result.run_id, "train/loss")]
+    assert steps == list(range(5))
+    m = run.data.metrics
+    assert m["timing/steps"] == 5 and m["timing/epochs"] == 2 and m["timing/step_s"] > 0
+    assert m["timing/epoch_s"] >= 0 and m["timing/wall_s"] >= result.wall_clock_s
+    train_json = json.loads((tmp_path / "run" / "train.json").read_text())
+    assert train_json["calibration"] is True
+
+    points, note = plan_inputs.measured_points(params, built[3])
+    assert set(points) == {1} and "(calibration," in points[1].source, note
+    assert points[1].train_s(5, 2) == pytest.approx(m["timing/wall_s"]), "the point reproduces its own run"
+    assert costmodel.nearest(points, 2)[0] is points[1]
+
+    _, target_dir, _, store_dir = built
+    with pytest.raises(ParamsError, match="calibration"):
+        export.run(params, target_dir=target_dir, train_dir=tmp_path / "run", store_dir=store_dir,
+                   out_dir=tmp_path / "draft")
+    assert not (tmp_path / "draft").exists()

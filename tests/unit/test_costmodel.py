@@ -1,0 +1,92 @@
+"""draftlab.costmodel: the one wall-clock model (plan, ETA, sweep) and its one MLflow lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab import costmodel as cm
+from tests.conftest import tiny_params
+
+BASE = tiny_params()
+
+
+def test_a_point_reproduces_the_run_it_was_measured_on():
+    timing = {"steps": 21, "epochs": 2, "step_s": 0.5, "epoch_s": 3.0, "tokens_per_s": 800.0, "wall_s": 60.0}
+    p = cm.Point.from_timing(1, timing, source="calibration trial 0")
+    assert p.fixed_s == pytest.approx(60 - 21 * 0.5 - 1 * 3.0)
+    assert p.train_s(21, 2) == pytest.approx(60.0)
+    assert p.train_s(200, 5) == pytest.approx(p.fixed_s + 200 * 0.5 + 4 * 3.0)
+
+
+def test_step_timing_separates_steps_epoch_boundaries_and_start_up():
+    # a calibration: 20 steps, an epoch boundary (validation + checkpoint: 3 s), 1 step
+    ends, t = {}, 40.0  # 40 s of start-up before the first step ends
+    for step in range(21):
+        ends[step] = t
+        t += 0.5 + (3.0 if step == 19 else 0.0)
+    timing = cm.step_timing(ends, [20, 1], [100] * 21, wall_s=ends[20] + 5.0)
+    assert timing["step_s"] == pytest.approx(0.5) and timing["epoch_s"] == pytest.approx(3.0)
+    assert timing["steps"] == 21 and timing["epochs"] == 2 and timing["stable"]
+    assert timing["tokens_per_s"] == pytest.approx(200.0)
+    point = cm.Point.from_timing(1, timing)
+    assert point.fixed_s == pytest.approx(40.0 - 0.5 + 5.0)  # before step 0 (whose 0.5 s is a step) and after the last
+
+
+def test_settled_needs_the_median_of_the_last_ten_to_hold_within_two_percent():
+    assert not cm.settled([0.5] * 10)  # too few to tell
+    assert cm.settled([0.9, 0.8, 0.7] + [0.5] * 18)
+    assert not cm.settled([0.5 + 0.02 * i for i in range(21)])  # still slowing down: 2.5 % per step
+
+
+def test_cost_model_scales_from_the_nearest_count_holding_s_per_step():
+    point = cm.Point(1, 30.0, 0.5, 4.0, 900.0, 21, 2, 44.5, source="calibration trial 0", after_s=10.0)
+    p3 = BASE.model_copy(update={"train": BASE.train.model_copy(update={"epochs": 3})})
+    p2 = p3.model_copy(update={"train": p3.train.model_copy(update={"gpus": 2})})
+    model = cm.CostModel({1: point}, lambda p: 60 // p.train.gpus)
+    pred = model.predict(p3)
+    assert pred.wall_s == pytest.approx(30 + 60 * 0.5 + 2 * 4 + 10) and pred.point is point
+    two = model.predict(p2)
+    assert two.wall_s == pytest.approx(30 + 30 * 0.5 + 2 * 4 + 10) and "s/step held" in two.basis
+    assert cm.CostModel({1: point}, lambda p: 60, with_after=False).predict(p3).wall_s == pytest.approx(68.0)
+
+
+def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_path):
+    import mlflow
+    from mlflow.entities import Metric, Param, RunTag
+
+    from draftlab.params import flatten
+    from draftlab.tracking import _param_str
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("draftlab")
+    timing = {"steps": 21, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0, "wall_s": 80.0}
+
+    def train_run(params, world_size, *, store="abc", device="cpu-x", finished=True, calibration=True,
+                  after_s=None):
+        rid = client.create_run(exp).info.run_id
+        metrics = [Metric(f"timing/{k}", float(v), 0, 0) for k, v in timing.items()]
+        if after_s is not None:
+            metrics.append(Metric("timing/after_s", after_s, 0, 0))
+        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(params).items()]
+                         + [Param("world_size", str(world_size))],
+                         tags=[RunTag("data.hidden_states_hash", store), RunTag("device.model", device),
+                               RunTag("draftlab.calibration", str(calibration).lower())], metrics=metrics)
+        if finished:
+            client.set_terminated(rid, "FINISHED")
+        return rid
+
+    other_len = BASE.model_copy(update={"train": BASE.train.model_copy(update={"total_seq_len": 2048})})
+    cal = train_run(BASE, 1, after_s=12.0)
+    plain = train_run(BASE, 4, calibration=False)  # an ordinary training: also a measurement
+    train_run(other_len, 2)  # another packing length: not this cost
+    train_run(BASE, 2, store="other")  # another hidden-state store
+    train_run(BASE, 2, device="gpu-y")  # another device model
+    train_run(BASE, 2, finished=False)  # still running (or killed)
+    found = cm.points_from_mlflow(BASE, [1, 2, 4], store_hash="abc", device_model="cpu-x", client=client)
+    assert set(found) == {1, 4}
+    assert found[1].source == f"mlflow run {cal} (calibration, cpu-x)" and found[1].after_s == 12.0
+    assert found[4].source == f"mlflow run {plain} (cpu-x)" and found[4].after_s is None
+    assert found[1].fixed_s == pytest.approx(80 - 21 * 1.5 - 1 * 0.5)
+    assert found[1].measured_at > 0
+    # plan on another host: no store, no device to match, every matching run counts
+    assert set(cm.points_from_mlflow(BASE, client=client)) == {1, 2, 4}
