@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from draftlab.compat import run_trainer
+from draftlab.run_timing import Eta
 
 
 def _record_sampler_batches(run_dir: Path, rank: int) -> None:
@@ -86,7 +87,7 @@ class MetricsToTracker(logging.Handler):
         self.total_steps = plan["total_steps"]
         self.step_tokens = plan["step_tokens"]  # real (unpadded) tokens of every global step
         self.last_logged = plan.get("last_logged_step", -1)
-        self.rate_steps_per_s: float | None = None
+        self.eta = Eta(plan)  # draftlab.run_timing
 
     def emit(self, record):  # exceptions propagate on purpose: a NaN must stop training
         from speculators.train.logger import _flatten_dict
@@ -116,18 +117,16 @@ class MetricsToTracker(logging.Handler):
             elif k.startswith("lr/"):
                 out[k] = v
         step_ms = flat.get("profile/step_ms")
+        self.eta.step_ended(step, time.perf_counter(), (step_ms or 0) / 1000)
         if step_ms:
             steps_per_s = 1000.0 / step_ms
-            # an EMA keeps the ETA steady across noisy steps
-            self.rate_steps_per_s = steps_per_s if self.rate_steps_per_s is None else (
-                0.9 * self.rate_steps_per_s + 0.1 * steps_per_s)
             tokens = self.step_tokens[step] if step < len(self.step_tokens) else 0
             out.update({
                 "perf/steps_per_s": steps_per_s,
                 "perf/tokens_per_s": tokens * steps_per_s,
                 "perf/data_wait_frac": flat.get("profile/fetch_frac", 0.0),
-                "perf/eta_s": (self.total_steps - step - 1) / self.rate_steps_per_s,
             })
+            out.update(self.eta.estimate(step))
             for k in ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms"):
                 if f"profile/{k}" in flat:
                     out[f"perf/{k}"] = flat[f"profile/{k}"]

@@ -4,7 +4,6 @@ count, warnings, and the Kimi-K2.5 reference scenario pinned."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import accounting as acc
-from draftlab import store
+from draftlab import run_timing, store
 from draftlab.params import Params, ParamsError, flatten
 from draftlab.util import write_json_atomic
 
@@ -320,25 +320,6 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
-def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
-    """Global step at the end of each epoch, from the epoch checkpoints' training state."""
-    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
-    return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
-
-
-def log_timing(a: acc.Accounting, step_tokens: list[int], out_dir: Path, wall_s: float, tracker) -> dict:
-    """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
-    `draftlab plan` and the sweep read back as a cost-model point)."""
-    from draftlab import costmodel, telemetry
-
-    ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
-    per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
-    timing = costmodel.step_timing(ends, per_epoch, step_tokens, wall_s)
-    tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
-    write_json_atomic(out_dir / "timing.json", timing)
-    return timing
-
-
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
         run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
     """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
@@ -382,8 +363,12 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
             console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
         write_json_atomic(out_dir / "accounting.json", a.to_json())
-        write_json_atomic(out_dir / "plan.json", {"total_steps": a.total_steps, "step_tokens": step_tokens,
-                                                  "last_logged_step": _last_logged_step(run_id)})
+        write_json_atomic(out_dir / "plan.json", {
+            "total_steps": a.total_steps, "step_tokens": step_tokens, "last_logged_step": _last_logged_step(run_id),
+            # for the ETA: where epochs end (validation + checkpoint follow), and their cost
+            "epoch_steps": a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
+            "val_steps": run_timing.val_steps(params, data_dir),
+            "epoch_s_prior": run_timing.epoch_s_prior(params, manifest_sha, device)})
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
@@ -425,7 +410,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
 
         observed_steps = last_global_step(out_dir / "checkpoints")
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
-                                      epoch_end_steps(out_dir / "checkpoints"))
+                                      run_timing.epoch_end_steps(out_dir / "checkpoints"))
         write_json_atomic(out_dir / "accounting-check.json", {"problems": problems, "observed_steps": observed_steps})
         tracker.log_artifact(out_dir / "accounting.json")
         tracker.log_artifact(out_dir / "accounting-check.json")
@@ -444,7 +429,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
-        timing = None if resumed else log_timing(a, step_tokens, out_dir, time.time() - started_at, tracker)
+        timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, time.time() - started_at,
+                                                            tracker)
         result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
                   "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
                   "accounting": "verified", "bottleneck": verdict.overall.label,

@@ -1,0 +1,121 @@
+"""What a training's time is made of, for the cost model (draftlab.costmodel) and the ETA:
+the launcher's side (timing/* of a finished run, the ETA's inputs in plan.json) and the rank's
+(`Eta`, updated at every step by draftlab.train_rank). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftlab.params import Params
+
+
+def val_steps(params: Params, data_dir: Path) -> int:
+    """Batches of one validation pass on rank 0 (the val loader packs with the same sampler)."""
+    from datasets import load_from_disk
+
+    lengths = list(load_from_disk(str(data_dir)).with_format(None)["seq_len"])
+    val = lengths[int(len(lengths) * params.data.train_ratio):]
+    t = params.train
+    from draftlab import accounting as acc
+
+    return len(acc.rank_batches(val, total_seq_len=t.total_seq_len, world_size=t.world_size(), rank=0,
+                                seed=t.seed, epoch=0)) if val else 0
+
+
+def epoch_s_prior(params: Params, manifest_sha: str, device: str) -> float | None:
+    """s/epoch of a matching measured run (draftlab.costmodel), for the ETA before this run's
+    first epoch boundary; None when there is none or the store cannot be read."""
+    try:
+        import mlflow
+
+        from draftlab import costmodel
+        from draftlab.tracking import tracking_uri
+
+        from draftlab.stages.train import _device_tags
+
+        points = costmodel.points_from_mlflow(params, [params.train.world_size()], store_hash=manifest_sha,
+                                              device_model=_device_tags(device)["device.model"],
+                                              client=mlflow.MlflowClient(tracking_uri()), max_runs=50)
+    except Exception:  # noqa: BLE001 — the ETA falls back to its own estimate
+        return None
+    found = costmodel.nearest(points, params.train.world_size())
+    return found[0].epoch_s if found else None
+
+
+def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
+    """Global step at the end of each epoch, from the epoch checkpoints' training state."""
+    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
+    return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
+
+
+def log_timing(a, step_tokens: list[int], out_dir: Path, wall_s: float, tracker) -> dict:
+    """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
+    `draftlab plan` and the sweep read back as a cost-model point)."""
+    from draftlab import costmodel, telemetry
+    from draftlab.util import write_json_atomic
+
+    ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
+    per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
+    timing = costmodel.step_timing(ends, per_epoch, step_tokens, wall_s)
+    tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
+    write_json_atomic(out_dir / "timing.json", timing)
+    return timing
+
+
+class Eta:
+    """Time left, by the cost model of draftlab.costmodel applied to this run as it goes:
+
+        left = steps left × s/step + epoch boundaries left × s/epoch
+
+    s/step is the median of the last RECENT intervals between step ends (so it follows a rate
+    that changes under load); s/epoch the median excess of the boundaries seen so far, before
+    the first one a matching MLflow run's (plan.json `epoch_s_prior`), else the validation pass
+    at ~1/3 of a training step per batch (forward only). The 10–90 % range scales `left` by the
+    10th and 90th percentiles of the last WIDE intervals over their median."""
+
+    RECENT, WIDE = 20, 200
+    FORWARD_FRACTION = 1 / 3
+
+    def __init__(self, plan: dict):
+        self.total = plan["total_steps"]
+        per_epoch = plan.get("epoch_steps") or [self.total]
+        self.ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
+        self.val_steps = plan.get("val_steps") or 0
+        self.epoch_prior = plan.get("epoch_s_prior")
+        self.last: tuple[int, float] | None = None
+        self.intervals: list[float] = []
+        self.boundaries: list[float] = []
+        self.step_s_fallback = 0.0
+
+    def step_ended(self, step: int, t: float, step_s: float) -> None:
+        if step_s:
+            self.step_s_fallback = step_s
+        if self.last is not None and step == self.last[0] + 1:
+            dt = t - self.last[1]
+            if self.last[0] in self.ends:  # the interval holds a validation + checkpoint
+                self.boundaries.append(dt)
+            else:
+                self.intervals.append(dt)
+                del self.intervals[: -self.WIDE]
+        self.last = (step, t)
+
+    def estimate(self, step: int) -> dict[str, float]:
+        import statistics
+
+        recent = self.intervals[-self.RECENT:]
+        step_s = statistics.median(recent) if recent else self.step_s_fallback
+        if self.boundaries:
+            epoch_s = max(statistics.median(self.boundaries) - step_s, 0.0)
+        elif self.epoch_prior is not None:
+            epoch_s = self.epoch_prior
+        else:
+            epoch_s = self.val_steps * step_s * self.FORWARD_FRACTION
+        left = (self.total - step - 1) * step_s + sum(e >= step for e in self.ends) * epoch_s
+        out = {"perf/eta_s": left}
+        if len(self.intervals) >= 10 and step_s > 0:
+            q = statistics.quantiles(self.intervals, n=10)
+            out["perf/eta_p10_s"] = left * q[0] / step_s
+            out["perf/eta_p90_s"] = left * q[-1] / step_s
+        return out

@@ -1,0 +1,47 @@
+"""draftlab.run_timing.Eta: time left = steps left × s/step + epoch boundaries left × s/epoch,
+re-estimated as the rate changes, with a 10–90 % range."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from draftlab.run_timing import Eta
+
+PLAN = {"total_steps": 30, "epoch_steps": [10, 10, 10], "val_steps": 6}
+
+
+def timeline(step_s, boundary_s=3.0, per_epoch=10, epochs=3, jitter=0.0, seed=0):
+    """End time of every global step; an epoch boundary (validation + checkpoint) after each epoch."""
+    rng, t, ends = random.Random(seed), 10.0, []
+    for step in range(per_epoch * epochs):
+        t += step_s(step) * (1 + rng.uniform(-jitter, jitter))
+        ends.append(t)
+        if step % per_epoch == per_epoch - 1:
+            t += boundary_s
+    return ends, t  # t: the run's end, after the last validation + checkpoint
+
+
+def feed(eta, ends, upto):
+    for step in range(upto + 1):
+        eta.step_ended(step, ends[step], 0.0)
+    return eta.estimate(upto)
+
+
+def test_eta_at_ten_percent_counts_the_epoch_boundaries_still_ahead():
+    ends, end = timeline(lambda s: 0.5)
+    got = feed(Eta({**PLAN, "epoch_s_prior": 3.0}), ends, 3)
+    assert got["perf/eta_s"] == pytest.approx(end - ends[3])  # 26 × 0.5 s + 3 boundaries × 3 s
+    # without a measured prior: the validation pass at a third of a step per batch
+    assert feed(Eta(PLAN), ends, 3)["perf/eta_s"] == pytest.approx(26 * 0.5 + 3 * 6 * 0.5 / 3)
+    # after the first boundary, its own measurement wins over the prior
+    assert feed(Eta({**PLAN, "epoch_s_prior": 100.0}), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])
+
+
+def test_eta_follows_a_rate_that_changes_and_its_range_holds_the_end():
+    ends, end = timeline(lambda s: 0.5 if s < 12 else 1.0, jitter=0.2)
+    got = feed(Eta({**PLAN, "epoch_s_prior": 3.0}), ends, 24)
+    actual = end - ends[24]
+    assert got["perf/eta_s"] == pytest.approx(actual, rel=0.15), "the recent rate, not the run's mean"
+    assert got["perf/eta_p10_s"] <= actual <= got["perf/eta_p90_s"]
