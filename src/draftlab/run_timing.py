@@ -64,6 +64,16 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, wall_s: float, tracker)
     return timing
 
 
+def harness_cpu(out_dir: Path, launcher_cpu_s: float, steps: int) -> dict:
+    """CPU seconds draftlab itself spent per training step: the launcher process while the ranks
+    ran (telemetry sampler, MLflow system metrics, waiting) plus rank 0's observers (step
+    records, metric handler, its tracking thread). Unlike tokens/s ratios it holds under load."""
+    done = out_dir / "rank0-done.json"
+    rank = json.loads(done.read_text()).get("harness_cpu_s", {}) if done.exists() else {}
+    total = launcher_cpu_s + sum(rank.values())
+    return {"launcher_s": launcher_cpu_s, "rank0": rank, "total_s": total, "per_step_s": total / max(steps, 1)}
+
+
 class Eta:
     """Time left, by the cost model of draftlab.costmodel applied to this run as it goes:
 

@@ -60,6 +60,7 @@ class _Background:
 
         self.tracker = tracker
         self.queue: queue.Queue = queue.Queue()
+        self.cpu_s = 0.0
         self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
         self.thread.start()
 
@@ -67,6 +68,7 @@ class _Background:
         while (item := self.queue.get()) is not None:
             name, args, kwargs = item
             getattr(self.tracker, name)(*args, **kwargs)
+        self.cpu_s = time.thread_time()  # this thread's whole CPU time: the harness's tracking cost
 
     def log_metrics(self, *args, **kwargs):
         self.queue.put(("log_metrics", args, kwargs))
@@ -74,6 +76,21 @@ class _Background:
     def close(self):
         self.queue.put(None)
         self.thread.join()
+
+
+class CpuTimed(logging.Handler):
+    """Runs another handler and adds up the CPU seconds it takes on the trainer's thread."""
+
+    def __init__(self, inner: logging.Handler):
+        super().__init__()
+        self.inner, self.cpu_s = inner, 0.0
+
+    def emit(self, record):
+        t = time.thread_time()
+        try:
+            self.inner.emit(record)
+        finally:
+            self.cpu_s += time.thread_time() - t
 
 
 class MetricsToTracker(logging.Handler):
@@ -142,14 +159,15 @@ def main(argv: list[str]) -> None:
         from draftlab.telemetry import StepProfileRecorder
 
         _record_sampler_batches(run_dir, rank)
-        handlers.append(StepProfileRecorder(run_dir, rank))
+        handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
             from draftlab.tracking import MlflowTracker
 
             plan = json.loads((run_dir / "plan.json").read_text())
             tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
-            handlers.append(MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"), run_dir))
+            handlers.append(CpuTimed(MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"),
+                                                      run_dir)))
     started = time.time()
     try:
         run_trainer(argv, metric_handlers=handlers)
@@ -158,10 +176,14 @@ def main(argv: list[str]) -> None:
         sys.exit(3)
     finally:
         for h in handlers:
-            if isinstance(h, MetricsToTracker):
-                h.tracker.close()  # every queued record reaches the store before the rank exits
+            if isinstance(h.inner, MetricsToTracker):
+                h.inner.tracker.close()  # every queued record reaches the store before the rank exits
     if run_dir is not None and rank == 0:
-        (run_dir / "rank0-done.json").write_text(json.dumps({"wall_clock_s": time.time() - started}))
+        # what draftlab's observers cost this rank (the launcher adds its own to train.json)
+        cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
+        cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
+        (run_dir / "rank0-done.json").write_text(json.dumps({"wall_clock_s": time.time() - started,
+                                                             "harness_cpu_s": cpu}))
 
 
 if __name__ == "__main__":

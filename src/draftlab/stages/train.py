@@ -384,6 +384,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                    MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
+        launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
         from draftlab import telemetry
 
@@ -401,6 +402,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                 sampler.stop()
         (out_dir / "launch.json").unlink(missing_ok=True)
         wall = time.perf_counter() - started
+        launcher_cpu = time.process_time() - launcher_cpu
         client = mlflow.MlflowClient()
         if rc != 0:
             failure = out_dir / "failure.json"
@@ -429,12 +431,14 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
+        harness = run_timing.harness_cpu(out_dir, launcher_cpu, a.total_steps)
+        tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
         timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, time.time() - started_at,
                                                             tracker)
         result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
                   "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
                   "accounting": "verified", "bottleneck": verdict.overall.label,
-                  "calibration": params.train.max_steps is not None, "timing": timing}
+                  "calibration": params.train.max_steps is not None, "timing": timing, "harness_cpu": harness}
         write_json_atomic(out_dir / "train.json", result)
         client.set_terminated(run_id, "FINISHED")
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
