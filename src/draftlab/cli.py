@@ -336,13 +336,29 @@ def params_reference() -> None:
 
 
 def main() -> None:
+    import atexit
+    import os
+
     from draftlab import threads
 
     threads.configure()  # before torch loads; children (torchrun, ranks, trials) inherit it
     try:
         app()
+        code = 0
+    except SystemExit as done:
+        code = done.code
     except KeyboardInterrupt:
-        sys.exit(130)
+        code = 130
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    # The work is done and every atexit handler (MLflow's flushes included) runs here; what is
+    # skipped is the interpreter's teardown of torch, transformers and mlflow, measured at 4–7 s
+    # per command on a loaded 2-core VM: wall-clock no cost model or user should pay.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

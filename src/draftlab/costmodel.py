@@ -50,6 +50,7 @@ class Point:
     after_s: float | None = None  # a sweep trial's evaluate; None: not measured
     measured_at: float = 0.0  # unix time of the measurement (for its age)
     stable: bool = True  # the step time had settled (see STABLE_FRAC)
+    tail_s: float | None = None  # after the last step: final validation + checkpoint, launcher's checks
 
     @classmethod
     def from_timing(cls, gpus: int, timing: Mapping, *, trial: int = -1, source: str = "",
@@ -59,7 +60,8 @@ class Point:
         fixed = max(wall - steps * step_s - max(epochs - 1, 0) * epoch_s, 0.0)
         return cls(gpus, fixed, step_s, epoch_s, float(timing.get("tokens_per_s", 0.0)), steps, epochs, wall, trial,
                    source or f"calibration trial {trial}", after_s,
-                   time.time() if measured_at is None else measured_at, bool(timing.get("stable", True)))
+                   time.time() if measured_at is None else measured_at, bool(timing.get("stable", True)),
+                   timing.get("tail_s"))
 
     def train_s(self, steps: int, epochs: int) -> float:
         """The last epoch's boundary (final checkpoint, validation) is in fixed_s: it is the
@@ -188,6 +190,7 @@ def points_from_mlflow(params: Params, gpu_counts: Sequence[int] | None = None, 
         if set(timing) != set(TIMING_KEYS):
             continue
         timing["stable"] = m.get("timing/stable", 1.0) > 0
+        timing["tail_s"] = m.get("timing/tail_s")
         kind = "calibration, " if tags.get("draftlab.calibration") == "true" else ""
         where = f" ({kind}{tags.get('device.model', 'device unknown')})"
         found[n] = Point.from_timing(n, timing, source=f"mlflow run {run.info.run_id}{where}",

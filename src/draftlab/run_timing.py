@@ -24,24 +24,27 @@ def val_steps(params: Params, data_dir: Path) -> int:
                                 seed=t.seed, epoch=0)) if val else 0
 
 
-def epoch_s_prior(params: Params, manifest_sha: str, device: str) -> float | None:
-    """s/epoch of a matching measured run (draftlab.costmodel), for the ETA before this run's
-    first epoch boundary; None when there is none or the store cannot be read."""
+def priors(params: Params, manifest_sha: str, device: str) -> dict:
+    """s/epoch and the tail after the last step (final validation + checkpoint, the launcher's
+    checks) of a matching measured run (draftlab.costmodel), for the ETA before this run has
+    measured its own; None each when there is none or the store cannot be read."""
+    out = {"epoch_s_prior": None, "tail_s_prior": None}
     try:
         import mlflow
 
         from draftlab import costmodel
-        from draftlab.tracking import tracking_uri
-
         from draftlab.stages.train import _device_tags
+        from draftlab.tracking import tracking_uri
 
         points = costmodel.points_from_mlflow(params, [params.train.world_size()], store_hash=manifest_sha,
                                               device_model=_device_tags(device)["device.model"],
                                               client=mlflow.MlflowClient(tracking_uri()), max_runs=50)
     except Exception:  # noqa: BLE001 — the ETA falls back to its own estimate
-        return None
+        return out
     found = costmodel.nearest(points, params.train.world_size())
-    return found[0].epoch_s if found else None
+    if found:
+        out.update(epoch_s_prior=found[0].epoch_s, tail_s_prior=found[0].tail_s)
+    return out
 
 
 def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
@@ -50,7 +53,7 @@ def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
     return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
 
 
-def log_timing(a, step_tokens: list[int], out_dir: Path, wall_s: float, tracker) -> dict:
+def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ended_at: float, tracker) -> dict:
     """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
     `draftlab plan` and the sweep read back as a cost-model point)."""
     from draftlab import costmodel, telemetry
@@ -58,7 +61,10 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, wall_s: float, tracker)
 
     ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
     per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
-    timing = costmodel.step_timing(ends, per_epoch, step_tokens, wall_s)
+    timing = costmodel.step_timing(ends, per_epoch, step_tokens, ended_at - started_at)
+    if ends:  # what the ETA cannot see from the steps: before the first one, after the last
+        timing["startup_s"] = min(ends.values()) - started_at
+        timing["tail_s"] = ended_at - max(ends.values())
     tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
     write_json_atomic(out_dir / "timing.json", timing)
     return timing
@@ -77,12 +83,13 @@ def harness_cpu(out_dir: Path, launcher_cpu_s: float, steps: int) -> dict:
 class Eta:
     """Time left, by the cost model of draftlab.costmodel applied to this run as it goes:
 
-        left = steps left × s/step + epoch boundaries left × s/epoch
+        left = steps left × s/step + epoch boundaries left × s/epoch + tail
 
     s/step is the median of the last RECENT intervals between step ends (so it follows a rate
     that changes under load); s/epoch the median excess of the boundaries seen so far, before
     the first one a matching MLflow run's (plan.json `epoch_s_prior`), else the validation pass
-    at ~1/3 of a training step per batch (forward only). The 10–90 % range scales `left` by the
+    at ~1/3 of a training step per batch (forward only); the tail (after the last step) is a
+    matching run's (`tail_s_prior`), else one boundary. The 10–90 % range scales `left` by the
     10th and 90th percentiles of the last WIDE intervals over their median."""
 
     RECENT, WIDE = 20, 200
@@ -94,6 +101,7 @@ class Eta:
         self.ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
         self.val_steps = plan.get("val_steps") or 0
         self.epoch_prior = plan.get("epoch_s_prior")
+        self.tail_prior = plan.get("tail_s_prior")
         self.last: tuple[int, float] | None = None
         self.intervals: list[float] = []
         self.boundaries: list[float] = []
@@ -122,7 +130,11 @@ class Eta:
             epoch_s = self.epoch_prior
         else:
             epoch_s = self.val_steps * step_s * self.FORWARD_FRACTION
-        left = (self.total - step - 1) * step_s + sum(e >= step for e in self.ends) * epoch_s
+        # boundaries still ahead, then the tail after the last step (its final validation and
+        # checkpoint, the launcher's checks): measured on a matching run, else one boundary
+        inner = sum(step <= e < self.total - 1 for e in self.ends)
+        tail = self.tail_prior if self.tail_prior is not None else epoch_s
+        left = (self.total - step - 1) * step_s + inner * epoch_s + tail
         out = {"perf/eta_s": left}
         if len(self.intervals) >= 10 and step_s > 0:
             q = statistics.quantiles(self.intervals, n=10)

@@ -367,8 +367,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             "total_steps": a.total_steps, "step_tokens": step_tokens, "last_logged_step": _last_logged_step(run_id),
             # for the ETA: where epochs end (validation + checkpoint follow), and their cost
             "epoch_steps": a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
-            "val_steps": run_timing.val_steps(params, data_dir),
-            "epoch_s_prior": run_timing.epoch_s_prior(params, manifest_sha, device)})
+            "val_steps": run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device)})
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
@@ -433,8 +432,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
         harness = run_timing.harness_cpu(out_dir, launcher_cpu, a.total_steps)
         tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
-        timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, time.time() - started_at,
-                                                            tracker)
+        timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, started_at, time.time(), tracker)
         result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
                   "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
                   "accounting": "verified", "bottleneck": verdict.overall.label,
