@@ -198,6 +198,19 @@ class ProcessLauncher:
         self.target_dir, self.data_dir, self.store_dir = target_dir, data_dir, store_dir
         self.parent_run_id, self.gpu_slots = parent_run_id, gpu_slots
 
+    def env_for(self, spec: TrialSpec) -> dict:
+        from draftlab import threads
+
+        # the trial's share of this host's threads, so trials side by side never hold more
+        # threads than there are CPUs: a CPU slot is one CPU; GPU slots split the CPUs evenly
+        n = len(spec.devices)
+        total = threads.budget()
+        share = min(n, total) if not self.gpu_slots else max(total * n // max(self.total_slots, n), 1)
+        env = threads.thread_env(1, dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices)), total=share)
+        if self.gpu_slots:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices)
+        return env
+
     def start(self, spec: TrialSpec) -> ProcessHandle:
         import yaml
 
@@ -211,16 +224,7 @@ class ProcessLauncher:
                "--study", self.study, "--metric", self.metric, "--trial", str(spec.number), "--role", spec.role]
         if self.parent_run_id:
             cmd += ["--parent-run-id", self.parent_run_id]
-        from draftlab import threads
-
-        # the trial's share of this host's threads, so trials side by side never hold more
-        # threads than there are CPUs: a CPU slot is one CPU; GPU slots split the CPUs evenly
-        n = len(spec.devices)
-        total = threads.budget()
-        share = min(n, total) if not self.gpu_slots else max(total * n // max(self.total_slots, n), 1)
-        env = threads.thread_env(1, dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices)), total=share)
-        if self.gpu_slots:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices)
+        env = self.env_for(spec)
         log = open(spec.trial_dir / "trial.log", "ab")  # noqa: SIM115 — closed by the handle
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return ProcessHandle(proc, spec.trial_dir, self.metric, spec.params.train.ttt_steps, log)
