@@ -5,7 +5,7 @@
     start-up  process start to the first step and the end-of-run work: imports, accounting,
               vocab maps, torchrun, compile and warm-up (measured as what the steps and epoch
               boundaries do not explain)
-    s/step    median seconds per global optimizer step (from rank 0's step records)
+    s/step    mean seconds per global optimizer step, warm-up outliers left out (rank 0's records)
     s/epoch   median extra seconds of an epoch boundary: checkpoint + validation
     after     what a sweep trial adds after training (evaluate); None for a plain train run
 
@@ -132,6 +132,18 @@ class CostModel:
 # ---------------------------------------------------------------- measuring a run
 
 
+OUTLIER_X = 5.0  # a step over 5× the median is a compile or warm-up step: start-up, not rate
+
+
+def typical_step_s(intervals: Sequence[float]) -> float:
+    """Seconds a step adds to a run: the *mean* step time (a sum of N steps is N × mean; under load
+    the times skew right and the median runs low), leaving out compile/warm-up outliers."""
+    if not intervals:
+        return 0.0
+    cap = OUTLIER_X * statistics.median(intervals)
+    return statistics.fmean(x for x in intervals if x <= cap)
+
+
 def settled(step_times: Sequence[float]) -> bool:
     """True when the median of the last STABLE_WINDOW step times moved < STABLE_FRAC with the last step."""
     if len(step_times) < STABLE_WINDOW + 1:
@@ -144,12 +156,12 @@ def settled(step_times: Sequence[float]) -> bool:
 def step_timing(step_end_s: Mapping[int, float], per_epoch: Sequence[int], step_tokens: Sequence[int],
                 wall_s: float) -> dict:
     """s/step and s/epoch of a run from when each global step ended (rank 0's step records):
-    s/step is the median interval between steps of one epoch (compile and warm-up fall into
-    start-up), s/epoch the median excess of the intervals across an epoch boundary."""
+    s/step is the typical interval between steps of one epoch (typical_step_s: compile and
+    warm-up fall into start-up), s/epoch the median excess of the intervals across a boundary."""
     ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
     inner = [step_end_s[s + 1] - step_end_s[s] for s in sorted(step_end_s)
              if s + 1 in step_end_s and s not in ends]
-    step_s = statistics.median(inner) if inner else 0.0
+    step_s = typical_step_s(inner)
     bounds = [step_end_s[e + 1] - step_end_s[e] - step_s for e in ends[:-1] if e in step_end_s and e + 1 in step_end_s]
     epoch_s = max(statistics.median(bounds), 0.0) if bounds else 0.0
     tokens = statistics.mean(step_tokens) if step_tokens else 0.0

@@ -85,8 +85,8 @@ class Eta:
 
         left = steps left × s/step + epoch boundaries left × s/epoch + tail
 
-    s/step is the median of the last RECENT intervals between step ends (so it follows a rate
-    that changes under load); s/epoch the median excess of the boundaries seen so far, before
+    s/step is the typical (outlier-free mean) of the last RECENT intervals between step ends (so
+    it follows a rate that changes under load); s/epoch the median excess of the boundaries seen so far, before
     the first one a matching MLflow run's (plan.json `epoch_s_prior`), else the validation pass
     at ~1/3 of a training step per batch (forward only); the tail (after the last step) is a
     matching run's (`tail_s_prior`), else one boundary. The 10–90 % range scales `left` by the
@@ -122,8 +122,10 @@ class Eta:
     def estimate(self, step: int) -> dict[str, float]:
         import statistics
 
+        from draftlab.costmodel import typical_step_s
+
         recent = self.intervals[-self.RECENT:]
-        step_s = statistics.median(recent) if recent else self.step_s_fallback
+        step_s = typical_step_s(recent) if recent else self.step_s_fallback
         if self.boundaries:
             epoch_s = max(statistics.median(self.boundaries) - step_s, 0.0)
         elif self.epoch_prior is not None:

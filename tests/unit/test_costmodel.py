@@ -90,3 +90,9 @@ def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_
     assert found[1].measured_at > 0
     # plan on another host: no store, no device to match, every matching run counts
     assert set(cm.points_from_mlflow(BASE, client=client)) == {1, 2, 4}
+
+
+def test_a_steps_cost_is_the_mean_without_compile_outliers():
+    skewed = [0.1] * 7 + [0.4] * 3  # under load: most steps quick, some stalled; their sum is 10 × the mean
+    assert cm.typical_step_s(skewed) == pytest.approx(sum(skewed) / 10)
+    assert cm.typical_step_s([30.0] + skewed) == pytest.approx(sum(skewed) / 10), "a compile step is start-up"
