@@ -133,6 +133,27 @@ class MlflowTracker:
         self._call("metrics", {"metrics": metrics, "step": step, "timestamp": now},
                    lambda: self.client.log_batch(self.run_id, metrics=items))
 
+    def log_metrics_many(self, records):
+        """[(metrics, step, timestamp_ms)] in as few store writes as MLflow allows (1,000 values
+        each); during an outage every record goes to the spool as its own `metrics` line."""
+        from mlflow.entities import Metric
+
+        if not records:
+            return
+        items = [Metric(k, float(v), ts, step or 0) for metrics, step, ts in records for k, v in metrics.items()]
+
+        def send():
+            for lo in range(0, len(items), 1000):
+                self.client.log_batch(self.run_id, metrics=items[lo : lo + 1000])
+
+        def payload(rec):
+            return {"metrics": rec[0], "step": rec[1], "timestamp": rec[2]}
+
+        self._call("metrics", payload(records[0]), send)
+        if self.offline:  # the batch did not go: keep every record, not only the first
+            for rec in records[1:]:
+                self._call("metrics", payload(rec), lambda: None)
+
     def log_artifact(self, path, artifact_path=None):
         self._call("artifact", {"path": str(path), "artifact_path": artifact_path},
                    lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))

@@ -48,3 +48,45 @@ def test_git_dirty_ignores_pipeline_outputs(tmp_path):
     assert tags["git.dirty"] == "false" and len(tags["git.commit"]) == 40
     (tmp_path / "src.py").write_text("b")
     assert git_tags(tmp_path)["git.dirty"] == "true"
+
+
+def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch):
+    import time
+
+    import mlflow
+
+    from draftlab.tracking import MlflowTracker
+    from draftlab.train_rank import _Background
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    tracker = MlflowTracker(run_id)
+    writes = []
+    many = tracker.log_metrics_many
+    tracker.log_metrics_many = lambda records: (writes.append(len(records)), many(records))
+    bg = _Background(tracker)
+    made = []
+    for step in range(40):
+        made.append(int(time.time() * 1000))
+        bg.log_metrics({"train/loss": 1.0 / (step + 1), "perf/eta_s": 40.0 - step}, step=step)
+        time.sleep(0.005)
+    bg.close()
+    assert sum(writes) == 40 and len(writes) <= 3, f"{len(writes)} store writes for 40 steps"
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(40))
+    assert all(abs(m.timestamp - t) <= 5 for m, t in zip(history, made)), "each record keeps when it was made"
+
+
+def test_a_batch_during_an_outage_spools_every_record(tmp_path, monkeypatch):
+    from draftlab.tracking import MlflowTracker
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    spool = tmp_path / "spool.jsonl"
+    tracker = MlflowTracker("0123456789abcdef", spool=spool)
+    tracker.log_metrics_many([({"train/loss": 1.0}, s, 1000 + s) for s in range(3)])
+    lines = [__import__("json").loads(line) for line in spool.read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["timestamp"]) for r in lines] == [("metrics", s, 1000 + s) for s in range(3)]
