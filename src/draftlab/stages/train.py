@@ -92,6 +92,19 @@ def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
     return a, step_tokens
 
 
+def check_seq_len(params: Params, data_dir: Path) -> None:
+    """A packing row shorter than a sample truncates it (speculators only warns): refused, with
+    how many train samples it would cut, before any folder is set aside or run started."""
+    lengths, _ = train_split(data_dir, params.data.train_ratio)
+    longest, n = max(lengths, default=0), params.train.total_seq_len
+    if n < longest:
+        cut = sum(1 for x in lengths if x > n)
+        raise ParamsError(
+            f"train.total_seq_len: {n} would truncate {cut} of {len(lengths)} train samples (the longest has "
+            f"{longest} tokens); set it to at least {longest}, or lower prepare.max_seq_len"
+        )
+
+
 def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = None):
     from rich.table import Table
 
@@ -329,7 +342,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     layer_ids = check_layer_ids(params, manifest)
     quick = store.verify(store_dir, full=False)
     if quick:
-        raise ParamsError(f"{store_dir}: {quick[0]} ({len(quick)} problem(s)); rerun `draftlab extract`")
+        raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
+    check_seq_len(params, data_dir)
     device = resolve_device(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
@@ -349,6 +363,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         if not resumed:
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
                                 "train.resolved_lr": params.train.resolved_lr(), "device": device})
+            for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
+                tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
             tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
                               "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train"})
         else:
@@ -364,7 +380,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         cmd = torchrun_cmd(params, argv)
         write_json_atomic(out_dir / "command.json", {"cmd": cmd})
         (out_dir / "failure.json").unlink(missing_ok=True)
-        env = dict(os.environ, MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
+        env = dict(os.environ, MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir), DRAFTLAB_STORE_DIR=str(store_dir),
+                   DRAFTLAB_VERIFY_READS=params.train.verify_reads,
                    MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
@@ -390,7 +407,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             failure = out_dir / "failure.json"
             why = json.loads(failure.read_text())["message"] if failure.exists() else f"torchrun exited with {rc}"
             client.set_terminated(run_id, "FAILED")
-            raise TrainingFailed(f"train: {why}; see {out_dir / 'logs'} and MLflow run {run_id}")
+            logs = out_dir / "logs"  # speculators creates it late: name it only if it is there
+            see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
+            raise TrainingFailed(f"train: {why}; {see}")
 
         observed_steps = last_global_step(out_dir / "checkpoints")
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0)
