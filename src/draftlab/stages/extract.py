@@ -10,6 +10,11 @@ Resumable: batches are composed from sample lengths alone (index order, up to
 `extract.batch_tokens` padded tokens), files are written atomically, and a batch counts as done
 only once the journal says so — a kill -9 and a rerun give a byte-identical store.
 
+Refusals first (`check`: layer ids against the target's config.json, before any weight is
+loaded or store moved); a store of other params is set aside under its key and brought back
+when the params return; journaled files that fail verification are re-extracted, and only they
+are rewritten (`drop_bad_files`).
+
     draftlab extract --params params.yaml --data data/prepared --out data/hidden_states
 """
 

@@ -60,7 +60,8 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
     from draftlab.stages.extract import dataset_fingerprint
 
-    fields = {"train": params.train.model_dump(), "data": params.data.model_dump(),
+    # verify_reads changes what is checked, not what is trained: a run folder stays resumable across it
+    fields = {"train": params.train.model_dump(exclude={"verify_reads"}), "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
     return store.store_key(fields)
 
@@ -179,7 +180,7 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir
     return argv + list(t.extra_args)
 
 
-def check_layer_ids(params: Params, manifest: dict) -> list[int]:
+def check_layer_ids(params: Params, manifest: dict, store_dir: Path = Path("data/hidden_states")) -> list[int]:
     """The aux layers come from the store; a draft config that disagrees is refused."""
     layer_ids = manifest["layer_ids"]
     extra = params.train.extra_args
@@ -189,7 +190,7 @@ def check_layer_ids(params: Params, manifest: dict) -> list[int]:
         if asked != layer_ids:
             raise ParamsError(
                 f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
-                "(data/hidden_states/manifest.json); drop it — the ids come from the extract stage"
+                f"({Path(store_dir) / store.MANIFEST}); drop it — the ids come from the extract stage"
             )
     return layer_ids
 
@@ -339,7 +340,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     from draftlab.tracking import MlflowTracker, git_tags
 
     manifest = store.read_manifest(store_dir)
-    layer_ids = check_layer_ids(params, manifest)
+    layer_ids = check_layer_ids(params, manifest, store_dir)
     quick = store.verify(store_dir, full=False)
     if quick:
         raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
