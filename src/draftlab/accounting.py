@@ -60,7 +60,8 @@ class Accounting:
             "train_samples": self.train_samples,
             "train_tokens": self.train_tokens,
             "train_loss_tokens": self.train_loss_tokens,
-            "steps_per_epoch": self.steps_per_epoch,
+            # every epoch, as `dropped_samples`: the sampler reshuffles, so epoch 0 is not all of them
+            "steps_per_epoch": [e.steps for e in self.epochs],
             "total_steps": self.total_steps,
             "tokens_per_step": self.tokens_per_step,
             "dropped_samples": self.dropped_samples,

@@ -98,8 +98,9 @@ def extract(
     from draftlab.tracking import stage_run
 
     def go():
+        checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
         with stage_run("extract") as tracker:
-            return stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker)
+            return stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
 
     _guard(go)
 
@@ -262,17 +263,31 @@ def sweep(
 @app.command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
-    quick: Annotated[bool, typer.Option(help="Check sizes only, skip re-hashing.")] = False,
+    quick: Annotated[bool, typer.Option(help="Check sizes and headers only, skip re-hashing.")] = False,
+    report: Annotated[Path | None, typer.Option(help="Write the problems to this JSON file and exit 0 "
+                                                     "(dvc.yaml's check before extract); re-hashes only files "
+                                                     "changed since extraction wrote them.")] = None,
 ) -> None:
     """Name every missing, truncated or corrupt file of a hidden-state store."""
     from draftlab import store as st
     from draftlab.console import console
 
+    if report is not None:
+        from draftlab.util import write_json_atomic
+
+        # No manifest yet (first run, or a killed extraction): nothing to disagree with; extract
+        # runs anyway because its manifest is missing.
+        found = st.verify(store, changed_only=True) if (store / st.MANIFEST).exists() else []
+        write_json_atomic(report, {"store": str(store), "problems": found})
+        for line in found:
+            console.print(f"[yellow]verify[/]: {line}", soft_wrap=True)
+        console.print(f"[bold]verify[/]: {len(found)} bad file(s) in {store} → {report}")
+        return
     problems = _guard(lambda: st.verify(store, full=not quick))
     for line in problems:
         console.print(line, soft_wrap=True)
     if problems:
-        _fail(f"{store}: {len(problems)} bad file(s); rerun `dvc repro extract` (or `draftlab extract`) to redo them")
+        _fail(f"{store}: {len(problems)} bad file(s); {st.REPAIR}")
     console.print(f"[green]ok[/]: {store} matches its manifest")
 
 

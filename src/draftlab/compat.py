@@ -20,6 +20,13 @@ nowhere else (torch itself is left alone):
 cut training short (speculators then saves ``<save_path>/interrupted`` and returns
 normally, so a lone process would otherwise exit 0).
 
+:func:`verify_hidden_state_reads` wraps the one place speculators reads a stored sample
+(``train.data.ArrowDataset.transfer.get_cached``): each ``hs_<i>.safetensors`` is checked
+against its manifest entry (size, header, sha256 of the bytes read) before it is decoded, and
+the first bad file stops the rank with its name and the repair command
+(:class:`HiddenStateFileError`), instead of a ``SafetensorError`` traceback or silent training
+on altered data.
+
 Two more CPU limits are flags, not patches: FlexAttention has no CPU backward
 (``--draft-attn-impl sdpa``) and the fused loss needs Triton
 (``--loss-implementation eager``); :func:`run_trainer` refuses a CPU run without them.
@@ -222,3 +229,89 @@ def steps_under_max_steps(steps_per_epoch: Sequence[int], max_steps: int | None)
                 break
         out.append(trained)
     return out
+
+
+class HiddenStateFileError(RuntimeError):
+    """A stored hidden-state file disagrees with the store's manifest; the message names it."""
+
+
+class VerifiedTransfer:
+    """Wraps a hidden-states transfer: every file read is checked against the manifest first.
+
+    For speculators' plain ``FileTransfer`` the verified bytes are decoded directly (one read);
+    another file format (the fp8 backend) is verified, then read by its own transfer. A file
+    whose size and mtime were already verified by this process is not re-hashed (epochs reread
+    every file)."""
+
+    def __init__(self, inner, store_dir: Path, records: dict[int, dict], *, full: bool = True):
+        self.inner, self.store_dir, self.records, self.full = inner, Path(store_dir), records, full
+        self.verified: dict[int, tuple[int, int]] = {}
+
+    def __getattr__(self, name):  # setup(), delete(), get_generated() … stay the stock ones
+        return getattr(self.inner, name)
+
+    def get_cached(self, file_idx: int):
+        import hashlib
+
+        from hs_connectors.transfer import FileTransfer
+
+        from draftlab import store
+
+        path = self.store_dir / store.file_name(file_idx)
+        rec = self.records.get(file_idx)
+        if rec is None:
+            raise HiddenStateFileError(f"{path}: not in {self.store_dir / store.MANIFEST}; {store.REPAIR}")
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise HiddenStateFileError(f"{path}: missing; {store.REPAIR}") from None
+        if self.verified.get(file_idx) == (st.st_size, st.st_mtime_ns):
+            return self.inner.get_cached(file_idx)
+        blob = path.read_bytes()
+        problem = None
+        if len(blob) != rec["bytes"]:
+            problem = f"truncated or rewritten ({len(blob)} bytes, manifest says {rec['bytes']})"
+        else:
+            problem = store.header_problem(path, rec, head=blob[: 8 + min(int.from_bytes(blob[:8], "little"), len(blob))])
+        if problem is None and self.full and hashlib.sha256(blob).hexdigest() != rec["sha256"]:
+            problem = "corrupt (sha256 differs from the manifest)"
+        if problem:
+            raise HiddenStateFileError(f"{path}: {problem}; {store.REPAIR}")
+        self.verified[file_idx] = (st.st_size, st.st_mtime_ns)
+        if type(self.inner) is FileTransfer:
+            from safetensors.torch import load
+
+            return load(blob)
+        return self.inner.get_cached(file_idx)
+
+
+def verify_hidden_state_reads(store_dir: Path, *, full: bool = True) -> None:
+    """Make every ``ArrowDataset`` built from now on read through :class:`VerifiedTransfer`."""
+    import json
+
+    from speculators.train import data
+
+    check_speculators_version()
+    from draftlab import store
+
+    manifest = json.loads((Path(store_dir) / store.MANIFEST).read_text())
+    records = {int(rec["index"]): rec for rec in manifest["files"]}
+    stock_init = data.ArrowDataset.__init__
+    if getattr(stock_init, "_draftlab_verified", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        self.transfer = VerifiedTransfer(self.transfer, store_dir, records, full=full)
+
+    __init__._draftlab_verified = True
+    data.ArrowDataset.__init__ = __init__
+
+
+def clean_message(err: BaseException) -> str:
+    """The one-line message of an error a DataLoader worker re-raised in the rank (torch puts
+    the worker's traceback text in front of it)."""
+    text = str(err).strip().splitlines()
+    last = text[-1] if text else type(err).__name__
+    marker = f"{type(err).__name__}: "
+    return last.split(marker, 1)[1] if marker in last else last

@@ -212,6 +212,12 @@ class Train(Section):
     extra_args: list[str] = Field(
         default_factory=list, description="More `speculators train` flags, passed through verbatim."
     )
+    verify_reads: Literal["sha256", "header"] = Field(
+        "sha256",
+        description="What the training loader checks of each hidden-state file it reads against the "
+        "store's manifest: `sha256` (size, header and content hash; README: loader verification) or "
+        "`header` (size and header only). The first bad file stops the run, named.",
+    )
 
     def world_size(self) -> int:
         return self.gpus * self.nnodes
@@ -272,6 +278,45 @@ class Params(Section):
                 raise ParamsError(f"prepare.path: {self.prepare.path!r} does not exist")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, line: int):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load keeps the last of two equal keys without a word; DVC's parser refuses
+    them, so draftlab refuses them too, naming the dotted key and its line."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(".".join([*self._path(node), str(key)]), key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def _path(self, target) -> list[str]:
+        """Dotted path of a mapping node inside the document (for the message)."""
+
+        def walk(node, trail):
+            if node is target:
+                return trail
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    found = walk(v, [*trail, str(k.value)])
+                    if found is not None:
+                        return found
+            return None
+
+        return walk(self._root, []) or []
+
+    def construct_document(self, node):
+        self._root = node
+        return super().construct_document(node)
+
+
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -313,12 +358,18 @@ def load_params(path: str | Path = "params.yaml", *, root: Path | None = None, c
     if not path.is_file():
         raise ParamsError(f"{path}: params file not found; pass --params PATH")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 — a SafeLoader subclass
+    except _DuplicateKey as err:
+        raise ParamsError(f"{path}:{err.line}: duplicated key {err.key!r} (the second value would "
+                          "silently win); keep one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise ParamsError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
-    if raw is not None and not isinstance(raw, dict):
+    if not raw:
+        raise ParamsError(f"{path}: empty params file; restore it (`git checkout {path}`) or "
+                          "start from `draftlab use experiments/<profile>.yaml`")
+    if not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     params = parse_params(raw, str(path))
     if check_paths:

@@ -33,6 +33,12 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def stale_dir(store_dir: Path, key: str | None) -> Path:
+    """Where a store of another key is set aside (and found again when the params return)."""
+    store_dir = Path(store_dir)
+    return store_dir.parent / f".stale-{store_dir.name}-{(key or 'unknown')[:12]}"
+
+
 def file_name(index: int) -> str:
     return f"hs_{index}.safetensors"
 
@@ -83,6 +89,15 @@ class Journal:
                 os.fsync(f.fileno())
         return cls(path, key, done)
 
+    def forget(self, indices: set[int]) -> None:
+        """Drop records whose files failed verification, so they are redone (one atomic rewrite)."""
+        from draftlab.util import write_bytes_atomic
+
+        for i in indices:
+            self.done.pop(i, None)
+        lines = [json.dumps({"key": self.key}), json.dumps({"files": [self.done[i] for i in sorted(self.done)]})]
+        write_bytes_atomic(self.path, ("\n".join(lines) + "\n").encode())
+
     def record(self, files: list[dict]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"files": files}) + "\n")
@@ -109,19 +124,84 @@ def manifest_hash(store_dir: Path) -> str:
     return sha256_file(Path(store_dir) / MANIFEST)
 
 
-def verify(store_dir: Path, *, full: bool = True) -> list[str]:
-    """Problems found: missing, truncated or corrupt files (full=True re-hashes every file)."""
+HEADER_LIMIT = 100 << 20  # safetensors' own cap on a header's length
+
+
+def header_problem(path: Path, rec: dict, head: bytes | None = None) -> str | None:
+    """Why the file's safetensors header cannot be the one the manifest describes, or None.
+    Reads 8 bytes plus the header (or takes them from `head`): cheap at any store size."""
+    try:
+        if head is None:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if 0 < n <= min(HEADER_LIMIT, rec["bytes"] - 8):
+                    head += f.read(n)
+        if len(head) < 8:
+            return "garbage header (shorter than 8 bytes)"
+        n = int.from_bytes(head[:8], "little")
+        if not 0 < n <= min(HEADER_LIMIT, rec["bytes"] - 8) or len(head) < 8 + n:
+            return f"garbage header (declares {n} header bytes in a {rec['bytes']}-byte file)"
+        header = json.loads(head[8 : 8 + n])
+        hs, ids = header["hidden_states"], header["token_ids"]
+        end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "garbage header (not a safetensors header with hidden_states and token_ids)"
+    if hs["shape"][0] != rec["tokens"] or ids["shape"] != [rec["tokens"]]:
+        return f"header says {hs['shape'][0]} tokens, manifest says {rec['tokens']}"
+    if 8 + n + end != rec["bytes"]:
+        return f"header describes {8 + n + end} bytes, manifest says {rec['bytes']}"
+    return None
+
+
+def file_problem(path: Path, rec: dict, *, full: bool, trust_stat: bool = False) -> str | None:
+    """One file against its manifest/journal record: missing, wrong size, garbage header, or
+    (full) a sha256 that differs. With trust_stat, a file whose mtime and size are those
+    recorded when it was written is not re-hashed (DVC trusts its state database the same way)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return "missing"
+    if st.st_size != rec["bytes"]:
+        return f"truncated or rewritten ({st.st_size} bytes, manifest says {rec['bytes']})"
+    problem = header_problem(path, rec)
+    if problem:
+        return problem
+    if trust_stat and rec.get("mtime_ns") == st.st_mtime_ns:
+        return None
+    if full and sha256_file(path) != rec["sha256"]:
+        return "corrupt (sha256 differs from the manifest)"
+    return None
+
+
+def journal_stamps(store_dir: Path) -> dict[str, int]:
+    """mtime_ns of each file as its writer recorded it in the journal (empty without one)."""
+    path = Path(store_dir) / JOURNAL
+    stamps: dict[str, int] = {}
+    if path.exists():
+        for line in path.read_text().splitlines()[1:]:
+            try:
+                stamps.update({r["name"]: r["mtime_ns"] for r in json.loads(line)["files"] if "mtime_ns" in r})
+            except (json.JSONDecodeError, KeyError):
+                break
+    return stamps
+
+
+def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False) -> list[str]:
+    """Problems found: missing, truncated, garbage-header or (full=True: re-hashed) corrupt files.
+    changed_only: a file whose mtime is the one recorded when it was written is not re-hashed
+    (the cheap check `dvc repro` runs before extract)."""
     store_dir = Path(store_dir)
     manifest = read_manifest(store_dir)
+    stamps = journal_stamps(store_dir) if changed_only else {}
     problems = []
     for rec in manifest["files"]:
         path = store_dir / rec["name"]
-        if not path.exists():
-            problems.append(f"{path}: missing")
-            continue
-        size = path.stat().st_size
-        if size != rec["bytes"]:
-            problems.append(f"{path}: truncated or rewritten ({size} bytes, manifest says {rec['bytes']})")
-        elif full and sha256_file(path) != rec["sha256"]:
-            problems.append(f"{path}: corrupt (sha256 differs from the manifest)")
+        stamped = {**rec, "mtime_ns": stamps[rec["name"]]} if rec["name"] in stamps else rec
+        problem = file_problem(path, stamped, full=full, trust_stat=changed_only)
+        if problem:
+            problems.append(f"{path}: {problem}")
     return problems
+
+
+REPAIR = "run `draftlab extract` (or `dvc repro extract`): it re-extracts only the bad files"

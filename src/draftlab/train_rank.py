@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftlab.compat import run_trainer
+from draftlab.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
 from draftlab.run_timing import Eta
 
 
@@ -194,12 +194,23 @@ def main(argv: list[str]) -> None:
             tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
             handlers.append(CpuTimed(MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"),
                                                       run_dir)))
+    if "DRAFTLAB_STORE_DIR" in os.environ:
+        verify_hidden_state_reads(Path(os.environ["DRAFTLAB_STORE_DIR"]),
+                                  full=os.environ.get("DRAFTLAB_VERIFY_READS", "sha256") == "sha256")
     started = time.time()
     try:
         run_trainer(argv, metric_handlers=handlers)
     except FloatingPointError as err:
         print(f"draftlab: {err}", file=sys.stderr)
         sys.exit(3)
+    except HiddenStateFileError as err:
+        msg = clean_message(err)
+        if run_dir is not None:
+            from draftlab.util import write_json_atomic
+
+            write_json_atomic(run_dir / "failure.json", {"reason": "bad hidden-state file", "message": msg})
+        print(f"draftlab: {msg}", file=sys.stderr)
+        sys.exit(4)
     finally:
         for h in handlers:
             if isinstance(h.inner, MetricsToTracker):

@@ -61,6 +61,10 @@ def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tm
     assert int(p["world_size"]) == 2 and int(p["total_steps"]) == a.total_steps == result.total_steps
     assert int(p["tokens_per_step"]) == 2 * 128
     assert json.loads(p["dropped_samples"]) == a.dropped_samples
+    per_epoch = [e.steps for e in a.epochs]  # every epoch, not epoch 0 under the name of all
+    assert json.loads(p["steps_per_epoch"]) == per_epoch
+    hist = mlflow_store.get_metric_history(run.info.run_id, "accounting/steps_per_epoch")
+    assert sorted((m.step, m.value) for m in hist) == list(enumerate(map(float, per_epoch)))
     steps = [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == list(range(a.total_steps)), "every global step logged once"
     assert {"train/loss_0", "train/full_acc_0", "train/cond_acc_0", "lr/AdamW", "epoch", "perf/steps_per_s",

@@ -108,3 +108,21 @@ def test_dvc_stages_list_exactly_the_params_they_read():
     assert "prepare" in stages["prepare"]["params"] and "extract" not in stages["prepare"]["params"]
     assert "extract" in stages["extract"]["params"] and "prepare" not in stages["extract"]["params"]
     assert "target.tiny" not in stages["extract"]["params"]  # the built model is a dep instead
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_params_file_is_refused_not_taken_as_defaults(tmp_path, text):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ParamsError, match=r"params.yaml: empty params file"):
+        load_params(path)
+
+
+def test_a_duplicated_key_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  epochs: 3\n  lr: 0.1\n  epochs: 5\n")
+    with pytest.raises(ParamsError, match=r"params.yaml:4: duplicated key 'train.epochs'"):
+        load_params(path)
+    path.write_text("train:\n  epochs: 3\nextract: {}\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(ParamsError, match=r"params.yaml:4: duplicated key 'train'"):
+        load_params(path)

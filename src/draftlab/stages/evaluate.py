@@ -17,6 +17,8 @@ passes saved against plain greedy decoding. Both go to the training run in MLflo
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,10 +255,16 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
     metrics["eval/calibration"] = 1.0 if train.get("calibration") else 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / "metrics.json", {**metrics, "run_id": train["run_id"]})
     steps = params.train.ttt_steps
-    _plots(train["run_id"], steps, metrics, out_dir)
-    figures = _figures(train["run_id"], metrics, steps, out_dir)
+    # Everything is written to a scratch folder first and renamed in at the end: a failure
+    # while plotting leaves the previous reports whole, not half replaced.
+    with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=out_dir) as scratch:
+        scratch = Path(scratch)
+        write_json_atomic(scratch / "metrics.json", {**metrics, "run_id": train["run_id"]})
+        _plots(train["run_id"], steps, metrics, scratch)
+        figures = [out_dir / f.name for f in _figures(train["run_id"], metrics, steps, scratch)]
+        for f in sorted(scratch.iterdir()):
+            os.replace(f, out_dir / f.name)
     if tracker is not None:
         tracker.log_metrics(metrics)
         for path in [out_dir / "metrics.json", out_dir / "acceptance.csv", *figures]:

@@ -10,6 +10,11 @@ Resumable: batches are composed from sample lengths alone (index order, up to
 `extract.batch_tokens` padded tokens), files are written atomically, and a batch counts as done
 only once the journal says so — a kill -9 and a rerun give a byte-identical store.
 
+Refusals first (`check`: layer ids against the target's config.json, before any weight is
+loaded or store moved); a store of other params is set aside under its key and brought back
+when the params return; journaled files that fail verification are re-extracted, and only they
+are rewritten (`drop_bad_files`).
+
     draftlab extract --params params.yaml --data data/prepared --out data/hidden_states
 """
 
@@ -87,17 +92,23 @@ class LayerCapture:
             h.remove()
 
 
-def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H, input_ids) -> list[dict]:
-    """Write one batch's files atomically; return their journal records (sha256 of the bytes
-    already in memory: no re-read)."""
+def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H, input_ids,
+                keep: frozenset[int] = frozenset()) -> list[dict]:
+    """Write one batch's files atomically, except those in `keep` (verified good: a repair
+    rewrites only the bad files); return their journal records (sha256 of the bytes already in
+    memory: no re-read; mtime_ns so that a later check can tell an untouched file)."""
     from safetensors.torch import save
 
     records = []
     for r, (i, n) in enumerate(zip(batch, lengths)):
+        if i in keep:
+            continue
         blob = save({"hidden_states": hidden_BT4H[r, :n].contiguous(), "token_ids": input_ids[r, :n].clone()})
-        write_bytes_atomic(out_dir / store.file_name(i), blob)
+        path = out_dir / store.file_name(i)
+        write_bytes_atomic(path, blob)
         records.append({"index": i, "name": store.file_name(i), "bytes": len(blob),
-                        "sha256": hashlib.sha256(blob).hexdigest(), "tokens": n})
+                        "sha256": hashlib.sha256(blob).hexdigest(), "tokens": n,
+                        "mtime_ns": path.stat().st_mtime_ns})
     return records
 
 
@@ -148,7 +159,94 @@ def _check_disk(out_dir: Path, need_bytes: int, min_free_frac: float) -> None:
         )
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None) -> ExtractResult:
+@dataclass(frozen=True)
+class Checked:
+    """What `check` found from the target's config and the dataset, before anything is touched."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_ids: list[int]
+    key_fields: dict
+    key: str
+
+
+def resolve_layer_ids(asked: list[int] | None, num_layers: int) -> list[int]:
+    """The aux layer ids for a target of `num_layers` layers, or a ParamsError naming the key."""
+    ids = asked or store.default_layer_ids(num_layers)
+    what = f"{ids}" if asked else f"the default [2, L//2, L-3] = {ids}"
+    if max(ids) >= num_layers or min(ids) < 0:
+        raise ParamsError(f"extract.layer_ids: {what} out of range for a target with {num_layers} layers; "
+                          f"use ids in 0..{num_layers - 1}")
+    if len(set(ids)) != 3:
+        hint = f", e.g. [1, {num_layers // 2}, {num_layers - 2}]" if num_layers >= 4 else ""
+        raise ParamsError(f"extract.layer_ids: {what} are not distinct for a target with {num_layers} layers; "
+                          f"set 3 distinct ids in 0..{num_layers - 1}{hint}")
+    return ids
+
+
+def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
+    """Every refusal extraction can make, from the target's config.json alone (no weights
+    loaded, no store moved, no MLflow run): the layer ids, the store key."""
+    from transformers import AutoConfig
+
+    from draftlab.stages.target import resolve
+
+    if not (Path(data_dir) / "dataset_info.json").exists():
+        raise FileNotFoundError(f"{data_dir}: no prepared dataset; run `dvc repro prepare`")
+    cfg = AutoConfig.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    layer_ids = resolve_layer_ids(params.extract.layer_ids, cfg.num_hidden_layers)
+    key_fields = {
+        "target": target_identity(params, target_dir),
+        "layer_ids": layer_ids,
+        "dtype": params.extract.dtype,
+        "dataset": dataset_fingerprint(data_dir),
+        "format": "speculators-0.9/hs_i.safetensors",
+    }
+    return Checked(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, layer_ids, key_fields,
+                   store.store_key(key_fields))
+
+
+def open_store(out_dir: Path, key: str, console) -> store.Journal:
+    """The store's journal for `key`. A store of another key is set aside under its own key,
+    never mixed in or deleted; one set aside earlier under `key` is brought back and reused."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return store.Journal.open(out_dir, key)
+    except store.StaleStoreError as stale:
+        aside, back = store.stale_dir(out_dir, stale.old_key), store.stale_dir(out_dir, key)
+        console.print(f"[yellow]extract[/]: params changed; moving the old store aside to {aside} (delete it when not needed)")
+        shutil.rmtree(aside, ignore_errors=True)
+        out_dir.rename(aside)
+        if back.is_dir():
+            console.print(f"[green]extract[/]: reusing the store set aside for these params ({back})")
+            back.rename(out_dir)
+        else:
+            out_dir.mkdir(parents=True)
+        return store.Journal.open(out_dir, key)
+
+
+def drop_bad_files(out_dir: Path, journal: store.Journal, console) -> list[str]:
+    """Repair: journaled files that fail verification are forgotten, so they are re-extracted.
+    An untouched file (size and mtime as written) is trusted; a touched one is re-hashed."""
+    bad, restamped = {}, False
+    for i, rec in journal.done.items():
+        path = out_dir / rec["name"]
+        problem = store.file_problem(path, rec, full=True, trust_stat=True)
+        if problem:
+            bad[i] = f"{path}: {problem}"
+        elif rec.get("mtime_ns") != (mtime := path.stat().st_mtime_ns):
+            rec["mtime_ns"], restamped = mtime, True  # re-hashed and good: not re-hashed next time
+    for line in bad.values():
+        console.print(f"[yellow]extract[/]: re-extracting {line}", soft_wrap=True)
+    if bad or restamped:
+        journal.forget(set(bad))
+    return sorted(bad.values())
+
+
+def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None,
+        checked: Checked | None = None) -> ExtractResult:
     import torch
     from datasets import load_from_disk
     from rich.progress import Progress, TextColumn
@@ -163,32 +261,13 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         subprocess.run(cmd, check=True)
         return _manifest_from_files(params, data_dir=data_dir, out_dir=out_dir)
 
+    c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
     ds = load_from_disk(str(data_dir))
     seq_lens = list(ds["seq_len"])
-    model, _ = load_target(params, target_dir)
-    cfg = model.config
-    num_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
-    layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
+    num_layers, hidden, layer_ids, key_fields, key = c.num_layers, c.hidden_size, c.layer_ids, c.key_fields, c.key
     dtype = params.extract.dtype
-    key_fields = {
-        "target": target_identity(params, target_dir),
-        "layer_ids": layer_ids,
-        "dtype": dtype,
-        "dataset": dataset_fingerprint(data_dir),
-        "format": "speculators-0.9/hs_i.safetensors",
-    }
-    key = store.store_key(key_fields)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        journal = store.Journal.open(out_dir, key)
-    except store.StaleStoreError as stale:
-        # Files of other params must never mix in; move them aside rather than delete hours of work.
-        aside = out_dir.parent / f".stale-{out_dir.name}-{(stale.old_key or 'unknown')[:12]}"
-        console.print(f"[yellow]extract[/]: params changed; moving the old store aside to {aside} (delete it when not needed)")
-        shutil.rmtree(aside, ignore_errors=True)
-        out_dir.rename(aside)
-        out_dir.mkdir(parents=True)
-        journal = store.Journal.open(out_dir, key)
+    journal = open_store(out_dir, key, console)
+    drop_bad_files(out_dir, journal, console)
 
     for torn in out_dir.glob(".hs_*.tmp-*"):  # a kill mid-write leaves these; never counted as done
         torn.unlink()
@@ -200,8 +279,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
 
     from draftlab import telemetry
 
-    sampler = telemetry.TelemetrySampler(out_dir, tracker).start() if tracker is not None else None
-    capture = LayerCapture(model, layer_ids)
+    if todo:  # a store that is complete and verified needs no target at all
+        model, _ = load_target(params, target_dir)
+    sampler = telemetry.TelemetrySampler(out_dir, tracker).start() if tracker is not None and todo else None
+    capture = LayerCapture(model, layer_ids) if todo else None
     torch_dtype = getattr(torch, dtype)
     pad = 0
     started = time.perf_counter()
@@ -231,24 +312,26 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
                 hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
                 if pending is not None:
                     journal.record(pending.result())
-                pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids)
-                done_tokens += sum(len(r) for r in rows)
+                keep = frozenset(i for i in batch if i in journal.done)
+                pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids, keep)
+                done_tokens += sum(len(r) for i, r in zip(batch, rows) if i not in keep)
                 rate = done_tokens / max(time.perf_counter() - started, 1e-9)
                 progress.update(task, advance=sum(len(r) for r in rows), rate=f"{rate:,.0f} tok/s")
             if pending is not None:
                 journal.record(pending.result())
     finally:
         writer.shutdown(wait=True)
-        capture.close()
+        if capture is not None:
+            capture.close()
         if sampler is not None:
             sampler.stop()
 
-    files = [journal.done[i] for i in range(len(seq_lens))]
+    files = [{k: v for k, v in journal.done[i].items() if k != "mtime_ns"} for i in range(len(seq_lens))]
     manifest = {
         "key": key,
         "key_fields": key_fields,
         "target": {"path": params.target.path, "source": params.target.source,
-                   "num_layers": num_layers, "hidden_size": hidden, "vocab_size": cfg.vocab_size},
+                   "num_layers": num_layers, "hidden_size": hidden, "vocab_size": c.vocab_size},
         "layer_ids": layer_ids,
         "dtype": dtype,
         "num_files": len(files),

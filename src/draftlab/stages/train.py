@@ -60,7 +60,8 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
     from draftlab.stages.extract import dataset_fingerprint
 
-    fields = {"train": params.train.model_dump(), "data": params.data.model_dump(),
+    # verify_reads changes what is checked, not what is trained: a run folder stays resumable across it
+    fields = {"train": params.train.model_dump(exclude={"verify_reads"}), "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
     return store.store_key(fields)
 
@@ -91,6 +92,19 @@ def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
         for s in range(trained):
             step_tokens.append(sum(clipped[i] for r in per_rank for i in r[s]))
     return a, step_tokens
+
+
+def check_seq_len(params: Params, data_dir: Path) -> None:
+    """A packing row shorter than a sample truncates it (speculators only warns): refused, with
+    how many train samples it would cut, before any folder is set aside or run started."""
+    lengths, _ = train_split(data_dir, params.data.train_ratio)
+    longest, n = max(lengths, default=0), params.train.total_seq_len
+    if n < longest:
+        cut = sum(1 for x in lengths if x > n)
+        raise ParamsError(
+            f"train.total_seq_len: {n} would truncate {cut} of {len(lengths)} train samples (the longest has "
+            f"{longest} tokens); set it to at least {longest}, or lower prepare.max_seq_len"
+        )
 
 
 def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = None):
@@ -170,7 +184,7 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir
     return argv + list(t.extra_args)
 
 
-def check_layer_ids(params: Params, manifest: dict) -> list[int]:
+def check_layer_ids(params: Params, manifest: dict, store_dir: Path = Path("data/hidden_states")) -> list[int]:
     """The aux layers come from the store; a draft config that disagrees is refused."""
     layer_ids = manifest["layer_ids"]
     extra = params.train.extra_args
@@ -180,7 +194,7 @@ def check_layer_ids(params: Params, manifest: dict) -> list[int]:
         if asked != layer_ids:
             raise ParamsError(
                 f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
-                "(data/hidden_states/manifest.json); drop it — the ids come from the extract stage"
+                f"({Path(store_dir) / store.MANIFEST}); drop it — the ids come from the extract stage"
             )
     return layer_ids
 
@@ -333,10 +347,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     from draftlab.tracking import MlflowTracker, git_tags
 
     manifest = store.read_manifest(store_dir)
-    layer_ids = check_layer_ids(params, manifest)
+    layer_ids = check_layer_ids(params, manifest, store_dir)
     quick = store.verify(store_dir, full=False)
     if quick:
-        raise ParamsError(f"{store_dir}: {quick[0]} ({len(quick)} problem(s)); rerun `draftlab extract`")
+        raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
+    check_seq_len(params, data_dir)
     device = resolve_device(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
@@ -356,6 +371,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         if not resumed:
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
                                 "train.resolved_lr": params.train.resolved_lr(), "device": device})
+            for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
+                tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
             tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
                               "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train",
                               "draftlab.calibration": str(params.train.max_steps is not None).lower()})
@@ -380,6 +397,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # the ranks on this node split this process's threads (torchrun would give each 1, or
         # torch each one per core of the machine)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
+                   DRAFTLAB_STORE_DIR=str(store_dir), DRAFTLAB_VERIFY_READS=params.train.verify_reads,
                    MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
@@ -407,7 +425,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             failure = out_dir / "failure.json"
             why = json.loads(failure.read_text())["message"] if failure.exists() else f"torchrun exited with {rc}"
             client.set_terminated(run_id, "FAILED")
-            raise TrainingFailed(f"train: {why}; see {out_dir / 'logs'} and MLflow run {run_id}")
+            logs = out_dir / "logs"  # speculators creates it late: name it only if it is there
+            see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
+            raise TrainingFailed(f"train: {why}; {see}")
 
         observed_steps = last_global_step(out_dir / "checkpoints")
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
