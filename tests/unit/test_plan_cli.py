@@ -74,7 +74,7 @@ def test_local_target_hidden_size_comes_from_its_config_json(here):
 
 @pytest.mark.parametrize("args,key", [(["--samples", "100"], "--samples"), (["--tokens", "5000"], "--tokens")])
 def test_one_count_without_the_other_is_refused(here, args, key):
-    (here / "params.yaml").write_text("{}\n")
+    (here / "params.yaml").write_text(yaml.safe_dump({"train": {"epochs": 3}}))
     out = plan(*args)
     assert out.exit_code == 2
     assert out.output.strip().startswith(f"error: {key}: counts need") and len(out.output.strip().splitlines()) == 1
