@@ -10,6 +10,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # DVC's detached daemons would read as leaked processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,3 +55,89 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- no process outlives the suite
+
+LEAK_WAIT_S = 10.0
+
+
+def pytest_configure(config):
+    from draftlab import procs
+
+    procs.make_subreaper()  # orphans of the tests re-parent to pytest, so the check below sees them
+
+
+def descendants(root: int | None = None) -> dict[int, str]:
+    """Live (non-zombie) descendants of `root` (default: this process): pid → command line."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    state: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        state[pid] = fields[0]
+        children.setdefault(int(fields[1]), []).append(pid)
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if state.get(pid) not in ("Z", "X"):
+            try:
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+    return out
+
+
+def train_ranks_of(run_dir: Path) -> list[int]:
+    """Live `draftlab.train_rank` processes (anywhere) that train into `run_dir`."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if b"draftlab.train_rank" not in (env.parent / "cmdline").read_bytes():
+                continue
+            if f"DRAFTLAB_RUN_DIR={run_dir}".encode() in env.read_bytes().split(b"\0"):
+                state = (env.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in ("Z", "X"):
+                    found.append(int(env.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_processes():
+    """At the end of the run: wait up to 10 s for descendants to exit, kill the rest, and fail
+    naming them."""
+    yield
+    import signal
+    import time
+
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while (left := descendants()) and time.monotonic() < deadline:
+        _reap_zombies()
+        time.sleep(0.2)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap_zombies()
+    named = "; ".join(f"{pid}: {cmd[:160]}" for pid, cmd in sorted(left.items()))
+    pytest.fail(f"{len(left)} process(es) outlived the test run (killed now): {named}", pytrace=False)

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from draftlab import procs
 from draftlab.params import ParamsError
 
 SERVED_NAME = "draftlab-target"
@@ -198,7 +199,7 @@ def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens
     log_path.parent.mkdir(parents=True, exist_ok=True)
     what = "speculative" if speculative else "plain"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = procs.spawn(command, stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:

@@ -178,10 +178,14 @@ class MetricsToTracker(logging.Handler):
 
 
 def main(argv: list[str]) -> None:
+    from draftlab import procs
+
+    procs.die_with_parent()  # torchrun starts ranks in their own session: only this reaches them
     run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
     rank = int(os.environ.get("RANK", "0"))
     handlers = []
     if run_dir is not None:
+        procs.record_self(run_dir, f"rank{rank}")
         from draftlab.telemetry import StepProfileRecorder
 
         _record_sampler_batches(run_dir, rank)

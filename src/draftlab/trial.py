@@ -112,7 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------- the sweep's side
 
 
-def _signal_groups(pgids: Sequence[int], sig: int) -> None:
+def _signal_groups(pgids: Sequence[int], sig: int, trial_dir: Path | None = None) -> None:
+    """`sig` to each process group; with SIGKILL also to the ranks recorded under `trial_dir`
+    (torchrun gives each a session of its own, outside every group)."""
+    if trial_dir is not None and sig == signal.SIGKILL:
+        from draftlab import procs
+
+        procs.kill_recorded(trial_dir / "train", wait_s=0)
     for pgid in pgids:
         try:
             os.killpg(pgid, sig)
@@ -160,7 +166,7 @@ class ProcessHandle:
         if rc is None:
             return None
         self._log.close()
-        _signal_groups(self._groups(), signal.SIGKILL)  # ranks never outlive their trial
+        _signal_groups(self._groups(), signal.SIGKILL, self.trial_dir)  # ranks never outlive their trial
         result_path = self.trial_dir / "result.json"
         res = json.loads(result_path.read_text()) if result_path.exists() else {}
         if not res.get("ok"):
@@ -185,7 +191,7 @@ class ProcessHandle:
         _signal_groups(self._groups(), signal.SIGTERM)
 
     def kill(self) -> None:
-        _signal_groups(self._groups(), signal.SIGKILL)
+        _signal_groups(self._groups(), signal.SIGKILL, self.trial_dir)
 
 
 class ProcessLauncher:
@@ -226,14 +232,16 @@ class ProcessLauncher:
             cmd += ["--parent-run-id", self.parent_run_id]
         env = self.env_for(spec)
         log = open(spec.trial_dir / "trial.log", "ab")  # noqa: SIM115 — closed by the handle
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        from draftlab import procs
+
+        proc = procs.spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # dies with this worker
         return ProcessHandle(proc, spec.trial_dir, self.metric, spec.params.train.ttt_steps, log)
 
     def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None:
         """A dead worker's trial: stop its processes (if they run here) and end its MLflow run."""
         if host == socket.gethostname():
             groups = list(pgids) + ([p] if (p := _torchrun_pgid(trial_dir)) else [])
-            _signal_groups(groups, signal.SIGKILL)
+            _signal_groups(groups, signal.SIGKILL, trial_dir)
         _mark_run(trial_dir, "KILLED")
 
 

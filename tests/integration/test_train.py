@@ -123,9 +123,19 @@ def test_bad_train_params_fail_before_launch(built, tmp_path, mlflow_store):
     assert not (tmp_path / "bad").exists()
 
 
-def test_kill_9_then_rerun_resumes_the_same_run_without_relogging(built, tmp_path, mlflow_store):
-    """kill -9 the launcher mid-training: the rerun stops its orphaned ranks, resumes from the
-    last checkpoint in the same MLflow run, and logs no step twice."""
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_kill_9_torchrun_then_launcher_no_rank_survives_and_rerun_resumes(built, tmp_path, mlflow_store):
+    """kill -9 torchrun mid-training: its ranks (each in a session of its own) die within seconds
+    and the launcher fails; the rerun resumes; kill -9 that launcher: again no rank survives; the
+    third run resumes from the last checkpoint in the same MLflow run and logs no step twice."""
+    from tests.conftest import train_ranks_of
+
     params = _train_params(built, epochs=3, total_seq_len=96)
     _, target_dir, data_dir, store_dir = built
     params_path = tmp_path / "params.yaml"
@@ -134,25 +144,37 @@ def test_kill_9_then_rerun_resumes_the_same_run_without_relogging(built, tmp_pat
     cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
            "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
     env = dict(os.environ)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "0" / "training_state.json").exists():
-        assert proc.poll() is None, "training ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+
+    def start_until(checkpoint: str):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / checkpoint / "training_state.json").exists():
+            assert proc.poll() is None, "training ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert train_ranks_of(out), "the ranks run"
+        return proc
+
+    launcher = start_until("0")
+    os.kill(json.loads((out / "launch.json").read_text())["pgid"], signal.SIGKILL)  # torchrun itself
+    _wait_for(lambda: not train_ranks_of(out), 10, "the ranks to die with torchrun")
+    assert launcher.wait(timeout=120) != 0, "the launcher reports that training did not finish"
     run_id = json.loads((out / "run.json").read_text())["run_id"]
+
+    launcher = start_until("1")
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    _wait_for(lambda: not train_ranks_of(out), 10, "the ranks to die with their launcher")
 
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert json.loads((out / "train.json").read_text())["run_id"] == run_id
     runs = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert "draftlab.resumed_from_step" in runs[0].data.tags
+    assert int(runs[0].data.tags["draftlab.resumed_from_step"]) > 0, "resumed from the second kill's checkpoint"
     steps = [m.step for m in mlflow_store.get_metric_history(run_id, "train/loss")]
     total = json.loads((out / "accounting.json").read_text())["total_steps"]
-    assert sorted(steps) == list(range(total)), "each step logged exactly once across the kill"
+    assert sorted(steps) == list(range(total)), "each step logged exactly once across the kills"
 
 
 def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_store):

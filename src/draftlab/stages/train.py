@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -226,6 +225,20 @@ def exclusive(out_dir: Path):
         os.close(fd)
 
 
+def _lock_held(out_dir: Path) -> bool:
+    if not (out_dir / ".lock").exists():
+        return False
+    fd = os.open(out_dir / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -235,7 +248,14 @@ def _alive(pgid: int) -> bool:
 
 
 def stop_orphans(out_dir: Path, console) -> None:
-    """Ranks of a launcher that was killed keep running (their own process group): stop them."""
+    """Ranks of a launcher that was killed keep running (their own process group): stop them.
+    A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second."""
+    from draftlab import procs
+
+    if _lock_held(out_dir):
+        return
+    if ranks := procs.kill_recorded(out_dir):  # ranks run in sessions of their own: by pid
+        console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")
     launch = out_dir / "launch.json"
     if not launch.exists():
         return
@@ -342,6 +362,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     started_at = time.time() if started_at is None else started_at
     import mlflow
 
+    from draftlab import procs
     from draftlab.console import console
     from draftlab.stages.target import resolve
     from draftlab.tracking import MlflowTracker, git_tags
@@ -398,6 +419,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # torch each one per core of the machine)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
                    DRAFTLAB_STORE_DIR=str(store_dir), DRAFTLAB_VERIFY_READS=params.train.verify_reads,
+                   DRAFTLAB_PARENT_CMD="torch.distributed.run",
                    MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                    DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
         started = time.perf_counter()
@@ -408,7 +430,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
             try:
-                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+                procs.clear_recorded(out_dir)
+                proc = procs.spawn(cmd, env=env)
                 write_json_atomic(out_dir / "launch.json", {"pgid": proc.pid})
                 try:
                     rc = proc.wait()
@@ -417,6 +440,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                     rc = proc.wait()
             finally:
                 sampler.stop()
+                procs.kill_recorded(out_dir)  # a rank that outlived torchrun (it should not) goes now
         (out_dir / "launch.json").unlink(missing_ok=True)
         wall = time.perf_counter() - started
         launcher_cpu = time.process_time() - launcher_cpu
