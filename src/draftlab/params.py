@@ -122,6 +122,10 @@ class Prepare(Section):
     )
     max_new_tokens: PositiveInt = Field(48, description="Longest regenerated assistant turn, in tokens.")
     batch_size: PositiveInt = Field(32, description="Conversations per regeneration batch.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the target runs for `hf` regeneration: `auto` = cuda when visible, else cpu. On cuda it "
+        "computes under bf16 autocast; the resolved device and compute dtype are recorded in prepare.json."
+    )
 
 
 class Extract(Section):
@@ -143,7 +147,28 @@ class Extract(Section):
     batch_tokens: PositiveInt = Field(
         4096, description="Tokens per forward pass (samples are batched in index order up to this)."
     )
-    vllm_url: str | None = Field(None, description="vLLM endpoint for the `vllm` backend.")
+    vllm_url: str | None = Field(
+        None, description="vLLM endpoint for the `vllm` backend; null = draftlab starts the server itself."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the target runs (`hf` backend): `auto` = cuda when visible, else cpu. On cuda it "
+        "computes under bf16 autocast; the resolved device and compute dtype are recorded in the store's manifest and key."
+    )
+    processes: PositiveInt | None = Field(
+        None,
+        description="Data-parallel extraction processes (`hf` backend), each a disjoint set of batches, "
+        "one store and manifest identical to a 1-process run; null = one per visible GPU (1 on CPU). A "
+        "target too large for one GPU runs in one process spread over all GPUs (device_map) instead.",
+    )
+    vllm_gpus: list[int] | None = Field(
+        None, description="CUDA devices of the vLLM server draftlab starts; null = all visible."
+    )
+    vllm_tensor_parallel_size: PositiveInt = Field(1, description="vLLM --tensor-parallel-size of that server.")
+    vllm_port: PositiveInt = Field(8012, description="Port of the vLLM extraction server draftlab starts.")
+    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM --gpu-memory-utilization.")
+    vllm_startup_timeout_s: PositiveFloat = Field(
+        1800, description="Seconds to wait for the vLLM extraction server's /health."
+    )
     min_free_disk_frac: float = Field(
         0.05, ge=0, lt=1, description="Refuse to start if the store would leave less than this free."
     )
@@ -241,6 +266,10 @@ class Evaluate(Section):
     )
     vllm_port: PositiveInt = Field(8011, description="Port of the vLLM server the vllm backend starts.")
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM --gpu-memory-utilization.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the target runs for the `hf` backend: `auto` = cuda when visible, else cpu. On cuda it "
+        "computes under bf16 autocast; the resolved device and compute dtype are recorded in the MLflow run's params."
+    )
 
 
 class Export(Section):

@@ -15,6 +15,7 @@ construction, parsing and the server lifecycle are unit-tested without vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -188,18 +189,19 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens: int, log_path: Path,
-                     speculative: bool, startup_timeout_s: float = 1800.0, request_timeout_s: float = 600.0) -> dict:
-    """Start one server, time the prompts on it, stop it. Returns output_tokens, wall_s,
-    output_tokens_per_s, texts, and spec (the spec-decode delta, speculative servers only)."""
+@contextlib.contextmanager
+def running(command: list[str], *, port: int, log_path: Path, what: str, startup_timeout_s: float,
+            env: dict | None = None, port_key: str = "evaluate.vllm_port"):
+    """A vLLM server for the body of the `with`: started in its own process group (dying with
+    this process), waited for on /health, stopped as a whole group on every exit path. Yields
+    its base URL."""
     if _port_in_use(port):
-        raise ParamsError(f"evaluate.vllm_port: port {port} is already in use; stop that server or pick another port")
+        raise ParamsError(f"{port_key}: port {port} is already in use; stop that server or pick another port")
     base = f"http://127.0.0.1:{port}"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    what = "speculative" if speculative else "plain"
     with open(log_path, "w") as log:
-        proc = procs.spawn(command, stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
+        proc = procs.spawn(command, env=env, stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
@@ -214,7 +216,17 @@ def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens
                     raise ServingError(f"vLLM ({what}) did not answer /health within {startup_timeout_s:.0f} s; "
                                        f"log {log_path}") from None
                 time.sleep(1.0)
+        yield base
+    finally:
+        _stop(proc)
 
+
+def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens: int, log_path: Path,
+                     speculative: bool, startup_timeout_s: float = 1800.0, request_timeout_s: float = 600.0) -> dict:
+    """Start one server, time the prompts on it, stop it. Returns output_tokens, wall_s,
+    output_tokens_per_s, texts, and spec (the spec-decode delta, speculative servers only)."""
+    what = "speculative" if speculative else "plain"
+    with running(command, port=port, log_path=log_path, what=what, startup_timeout_s=startup_timeout_s) as base:
         def complete(prompt, n):
             body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0.0}
             try:
@@ -232,8 +244,6 @@ def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens
             output_tokens += int(reply["usage"]["completion_tokens"])
         wall_s = time.perf_counter() - started
         spec = spec_decode_delta(before, parse_spec_decode_metrics(_http(f"{base}/metrics"))) if speculative else None
-    finally:
-        _stop(proc)
     return {"output_tokens": output_tokens, "wall_s": wall_s, "output_tokens_per_s": output_tokens / max(wall_s, 1e-9),
             "texts": texts, "spec": spec}
 

@@ -10,6 +10,10 @@ Resumable: batches are composed from sample lengths alone (index order, up to
 `extract.batch_tokens` padded tokens), files are written atomically, and a batch counts as done
 only once the journal says so — a kill -9 and a rerun give a byte-identical store.
 
+Placement (`extract.device`, `draftlab.devices`): CUDA when visible, under bf16 autocast; every
+visible GPU as a data-parallel rank (`draftlab.extract_ranks`), or one process spread over all of
+them when the target does not fit one; the CPU path computes exactly as before.
+
 Refusals first (`check`: layer ids against the target's config.json, before any weight is
 loaded or store moved); a store of other params is set aside under its key and brought back
 when the params return; journaled files that fail verification are re-extracted, and only they
@@ -85,7 +89,8 @@ class LayerCapture:
         """[B, T, 4, H] in capture order: aux0, aux1, aux2, final."""
         import torch
 
-        return torch.stack([self.captured[k] for k in ("aux0", "aux1", "aux2", "final")], dim=2)
+        first = self.captured["aux0"]  # with device_map the layers live on several GPUs
+        return torch.stack([self.captured[k].to(first.device) for k in ("aux0", "aux1", "aux2", "final")], dim=2)
 
     def close(self):
         for h in self.handles:
@@ -112,6 +117,51 @@ def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H
     return records
 
 
+def extract_batches(model, capture: LayerCapture, ds, batches: list[list[int]], out_dir: Path, dtype: str,
+                    placement, on_done, done: frozenset[int] = frozenset()) -> None:
+    """Forward every batch, write its files except those in `done` (verified good: a repair
+    rewrites only the bad ones), call `on_done(records)` once they are on disk.
+
+    One writer thread: batch k's files are serialised, hashed and written while batch k+1's
+    forward runs (hashlib and file writes release the GIL). `on_done` (the journal) sees a batch
+    only after its files are on disk, so a kill never leaves a recorded-but-missing file."""
+    import torch
+
+    from draftlab import devices
+
+    torch_dtype, pad = getattr(torch, dtype), 0
+    writer = ThreadPoolExecutor(max_workers=1)
+    pending = None
+    try:
+        for batch in batches:
+            rows = [ds[i]["input_ids"] for i in batch]
+            width = max(len(r) for r in rows)
+            input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, ids in enumerate(rows):
+                input_ids[r, : len(ids)] = torch.as_tensor(ids)
+                mask[r, : len(ids)] = 1
+            with torch.no_grad(), devices.autocast(placement):
+                model.model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device))
+            hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
+            if pending is not None:
+                on_done(pending.result())
+            keep = frozenset(i for i in batch if i in done)
+            pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids, keep)
+        if pending is not None:
+            on_done(pending.result())
+    finally:
+        writer.shutdown(wait=True)
+
+
+def with_compute(key_fields: dict, placement) -> dict:
+    """GPU (bf16 autocast) states differ from CPU ones: the key says which. A CPU key stays what
+    it was before devices were recorded, so existing CPU stores still resume."""
+    if placement is None or placement.device == "cpu":
+        return key_fields
+    return {**key_fields, "compute": placement.record()}
+
+
 def target_identity(params: Params, target_dir: Path) -> dict:
     """What makes one target differ from another, cheaply (no hashing of TB of weights)."""
     from draftlab.stages.target import resolve
@@ -135,14 +185,15 @@ def dataset_fingerprint(data_dir: Path) -> str:
     return h.hexdigest()
 
 
-def vllm_command(params: Params, *, data_dir: Path, out_dir: Path) -> list[str]:
+def vllm_command(params: Params, *, data_dir: Path, out_dir: Path, endpoint: str | None = None) -> list[str]:
     """speculators' own offline generator against a vLLM server (GPU hosts)."""
-    if not params.extract.vllm_url:
+    endpoint = endpoint or params.extract.vllm_url
+    if not endpoint:
         raise ParamsError("extract.vllm_url: required when extract.backend is 'vllm'")
     return [
         "speculators", "generate-offline-data",
         "--model", params.target.path,
-        "--endpoint", params.extract.vllm_url,
+        "--endpoint", endpoint,
         "--preprocessed-data", str(data_dir),
         "--output", str(out_dir),
         "--validate-outputs",
@@ -169,6 +220,9 @@ class Checked:
     layer_ids: list[int]
     key_fields: dict
     key: str
+    placement: object = None  # devices.Placement (hf backend)
+    processes: int = 1
+    device_map: str | None = None
 
 
 def resolve_layer_ids(asked: list[int] | None, num_layers: int) -> list[int]:
@@ -192,6 +246,15 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
 
     from draftlab.stages.target import resolve
 
+    placement, processes, device_map = None, 1, None
+    if params.extract.backend == "hf":
+        from draftlab.extract_ranks import plan_placement
+
+        placement, processes, device_map = plan_placement(params, target_dir)  # cuda asked, GPUs visible
+    elif not params.extract.vllm_url:
+        from draftlab import vllm_extract
+
+        vllm_extract.preflight(params)  # a GPU and a vllm executable to start the server with
     if not (Path(data_dir) / "dataset_info.json").exists():
         raise FileNotFoundError(f"{data_dir}: no prepared dataset; run `dvc repro prepare`")
     cfg = AutoConfig.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
@@ -204,8 +267,9 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
         "dataset": dataset_fingerprint(data_dir),
         "format": "speculators-0.9/hs_i.safetensors",
     }
+    key_fields = with_compute(key_fields, placement)
     return Checked(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, layer_ids, key_fields,
-                   store.store_key(key_fields))
+                   store.store_key(key_fields), placement, processes, device_map)
 
 
 def open_store(out_dir: Path, key: str, console) -> store.Journal:
@@ -247,18 +311,15 @@ def drop_bad_files(out_dir: Path, journal: store.Journal, console) -> list[str]:
 
 def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None,
         checked: Checked | None = None) -> ExtractResult:
-    import torch
     from datasets import load_from_disk
     from rich.progress import Progress, TextColumn
     from draftlab.console import console, progress_columns
     from draftlab.stages.target import load_target
 
     if params.extract.backend == "vllm":
-        import subprocess
+        from draftlab import vllm_extract
 
-        cmd = vllm_command(params, data_dir=data_dir, out_dir=out_dir)
-        console.print("[bold]extract[/]: " + " ".join(cmd))
-        subprocess.run(cmd, check=True)
+        vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir)
         return _manifest_from_files(params, data_dir=data_dir, out_dir=out_dir)
 
     c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
@@ -273,54 +334,48 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         torn.unlink()
     batches = plan_batches(seq_lens, params.extract.batch_tokens)
     todo = [b for b in batches if not all(i in journal.done for i in b)]
-    remaining_tokens = sum(seq_lens[i] for b in todo for i in b)
     _check_disk(out_dir, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
                 params.extract.min_free_disk_frac)
 
     from draftlab import telemetry
 
-    if todo:  # a store that is complete and verified needs no target at all
-        model, _ = load_target(params, target_dir)
+    placement, processes = c.placement, c.processes
+    model = None
+    if todo and processes == 1:  # a store that is complete and verified needs no target at all
+        model, _ = load_target(params, target_dir, device=placement.device, device_map=c.device_map)
     sampler = telemetry.TelemetrySampler(out_dir, tracker).start() if tracker is not None and todo else None
-    capture = LayerCapture(model, layer_ids) if todo else None
-    torch_dtype = getattr(torch, dtype)
-    pad = 0
+    capture = LayerCapture(model, layer_ids) if model is not None else None
+    done = frozenset(journal.done)  # files of a todo batch that are already good: kept, not rewritten
+    remaining_tokens = sum(seq_lens[i] for b in todo for i in b if i not in done)
     started = time.perf_counter()
     done_tokens = 0
     console.print(
         f"[bold]extract[/]: {len(seq_lens)} samples, layers {layer_ids} + final (pre-norm), H={hidden}, "
-        f"{dtype}; {len(batches) - len(todo)}/{len(batches)} batches already done"
+        f"{dtype}; on {placement.device} ({placement.compute_dtype} compute"
+        f"{', device_map over all GPUs' if c.device_map else ''}), {processes} process(es); "
+        f"{len(batches) - len(todo)}/{len(batches)} batches already done"
     )
-    # One writer thread: batch k's files are serialised, hashed and written while batch k+1's
-    # forward runs (hashlib and file writes release the GIL). The journal records a batch only
-    # after its files are on disk, so a kill never leaves a recorded-but-missing file.
-    writer = ThreadPoolExecutor(max_workers=1)
-    pending = None
     try:
         with Progress(*progress_columns(TextColumn("{task.fields[rate]}")), console=console) as progress:
             task = progress.add_task("extracting", total=remaining_tokens, rate="")
-            for batch in todo:
-                rows = [ds[i]["input_ids"] for i in batch]
-                width = max(len(r) for r in rows)
-                input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for r, ids in enumerate(rows):
-                    input_ids[r, : len(ids)] = torch.as_tensor(ids)
-                    mask[r, : len(ids)] = 1
-                with torch.no_grad():
-                    model.model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device))
-                hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
-                if pending is not None:
-                    journal.record(pending.result())
-                keep = frozenset(i for i in batch if i in journal.done)
-                pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids, keep)
-                done_tokens += sum(len(r) for i, r in zip(batch, rows) if i not in keep)
+
+            def on_done(records: list[dict]) -> None:
+                nonlocal done_tokens
+                journal.record(records)
+                tokens = sum(r["tokens"] for r in records)
+                done_tokens += tokens
                 rate = done_tokens / max(time.perf_counter() - started, 1e-9)
-                progress.update(task, advance=sum(len(r) for r in rows), rate=f"{rate:,.0f} tok/s")
-            if pending is not None:
-                journal.record(pending.result())
+                progress.update(task, advance=tokens, rate=f"{rate:,.0f} tok/s")
+
+            if processes == 1:
+                extract_batches(model, capture, ds, todo, out_dir, dtype, placement, on_done, done)
+            elif todo:
+                from draftlab.extract_ranks import run_ranks
+
+                run_ranks(params, processes=processes, placement=placement, target_dir=target_dir,
+                          data_dir=data_dir, out_dir=out_dir, layer_ids=layer_ids, batches=todo, on_done=on_done,
+                          done=done)
     finally:
-        writer.shutdown(wait=True)
         if capture is not None:
             capture.close()
         if sampler is not None:
@@ -334,6 +389,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
                    "num_layers": num_layers, "hidden_size": hidden, "vocab_size": c.vocab_size},
         "layer_ids": layer_ids,
         "dtype": dtype,
+        "compute": placement.record(),
         "num_files": len(files),
         "num_tokens": sum(f["tokens"] for f in files),
         "total_bytes": sum(f["bytes"] for f in files),
@@ -346,7 +402,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     if tracker is not None:
         tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest["num_tokens"],
                              "extract/total_bytes": manifest["total_bytes"]})
-        tracker.log_params({"extract.layer_ids": layer_ids, "extract.dtype": dtype})
+        tracker.log_params({"extract.layer_ids": layer_ids, "extract.dtype": dtype,
+                            "extract.resolved_device": placement.device,
+                            "extract.compute_dtype": placement.compute_dtype, "extract.processes_used": processes})
         tracker.set_tags({"data.hidden_states_hash": store.manifest_hash(out_dir), "draftlab.stage": "extract"})
     console.print(
         f"[bold]extract[/]: {len(files)} files, {manifest['num_tokens']:,} tokens, "

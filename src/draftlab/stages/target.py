@@ -188,8 +188,9 @@ def load_tokenizer(params: Params, target_dir: Path):
     return AutoTokenizer.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
 
 
-def load_target(params: Params, target_dir: Path, *, device: str = "cpu"):
-    """The one loading path for every target: a local folder or a hub id."""
+def load_target(params: Params, target_dir: Path, *, device: str = "cpu", device_map: str | None = None):
+    """The one loading path for every target: a local folder or a hub id. `device_map="auto"`
+    spreads a target too large for one GPU over all visible ones (instead of `device`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,7 +202,10 @@ def load_target(params: Params, target_dir: Path, *, device: str = "cpu"):
         dtype=getattr(torch, t.dtype),
         trust_remote_code=t.trust_remote_code,
         attn_implementation="sdpa",
-    ).to(device)
+        **({"device_map": device_map} if device_map else {}),
+    )
+    if not device_map:
+        model = model.to(device)
     model.eval()
     return model, tokenizer
 
