@@ -51,7 +51,7 @@ def _guard(fn):
     except (ParamsError, RecordError, FileNotFoundError) as err:
         _fail(str(err))
     except RuntimeError as err:
-        if type(err).__name__ != "ServingError":
+        if type(err).__name__ not in ("ServingError", "ExtractFailed"):
             raise
         from draftlab.console import console
 

@@ -63,7 +63,7 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) ->
     sums = {f"{k}_{s}": 0.0 for s in range(steps) for k in keys}
     oov = total_masked = n_batches = 0
     for indices in sampler:
-        batch = collate([ds[i] for i in indices])
+        batch = {k: v.to(target.device) if hasattr(v, "to") else v for k, v in collate([ds[i] for i in indices]).items()}
         with torch.no_grad():
             logits_steps, spec = draft_forward(draft, batch, steps)
             h = batch["verifier_last_hidden_states"].to(target.dtype)
@@ -233,15 +233,19 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         from draftlab.serving import require_gpu_and_vllm
 
         require_gpu_and_vllm()  # before anything loads: a CPU host fails at once
+    from draftlab import devices
+
+    placement = devices.resolve("evaluate.device", params.evaluate.device, params.target.dtype)
     train = json.loads((Path(train_dir) / "train.json").read_text())
     if train.get("calibration"):  # a sweep times evaluate on it; its figures are no draft's quality
         console.print(f"[yellow]evaluate[/]: {train_dir} is a step-limited calibration run "
                       f"({train.get('total_steps')} steps), not a trained draft: its acceptance figures are "
                       "marked eval/calibration = 1 and say nothing about a trained draft")
     manifest = store.read_manifest(store_dir)
-    target, tokenizer = load_target(params, target_dir)
-    draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir))
-    metrics = simulated(params, draft, target, data_dir, store_dir)
+    target, tokenizer = load_target(params, target_dir, device=placement.device)
+    draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir)).to(placement.device)
+    with devices.autocast(placement):
+        metrics = simulated(params, draft, target, data_dir, store_dir)
     from draftlab.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
@@ -249,7 +253,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         metrics.update(_vllm(params, prompts, target_dir=target_dir, train_dir=train_dir,
                              store_dir=store_dir, out_dir=out_dir))
     else:
-        metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
+        with devices.autocast(placement):
+            metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
@@ -267,6 +272,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
             os.replace(f, out_dir / f.name)
     if tracker is not None:
         tracker.log_metrics(metrics)
+        # tags, not params: a later evaluation on another host may log into the same run
+        tracker.set_tags({"evaluate.device": placement.device, "evaluate.compute_dtype": placement.compute_dtype})
         for path in [out_dir / "metrics.json", out_dir / "acceptance.csv", *figures]:
             tracker.log_artifact(path, "evaluate")
     console.print(

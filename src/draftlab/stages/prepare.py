@@ -13,6 +13,7 @@ and `prepare.json` (counts, drops).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -182,6 +183,7 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
     import torch
     from datasets import Dataset
 
+    from draftlab import devices
     from draftlab.console import console
     from draftlab.stages.target import load_target, load_tokenizer
     from draftlab.util import atomic_dir, write_json_atomic
@@ -191,13 +193,15 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
     if not convs:
         raise ParamsError("prepare: no usable conversations in the input")
     need_model = params.prepare.regenerate and params.prepare.regenerate_backend == "hf"
+    placement = devices.resolve("prepare.device", params.prepare.device, params.target.dtype) if need_model else None
     if need_model:
-        model, tokenizer = load_target(params, target_dir)
+        model, tokenizer = load_target(params, target_dir, device=placement.device)
     else:
         model, tokenizer = None, load_tokenizer(params, target_dir)
     if params.prepare.regenerate:
         torch.manual_seed(params.data.seed)
-        convs = regenerate(params, convs, model, tokenizer)
+        with devices.autocast(placement) if placement else contextlib.nullcontext():
+            convs = regenerate(params, convs, model, tokenizer)
 
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     order = list(range(len(convs)))
@@ -231,6 +235,8 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
         "skipped_records": skipped,
         "dropped_no_assistant_tokens": empty,
         "regenerated": params.prepare.regenerate,
+        # GPU bf16 and CPU regenerations differ token by token: the record says which this is
+        "regenerate_compute": placement.record() if placement else None,
         "wall_clock_s": round(time.perf_counter() - started, 2),
     }
     with atomic_dir(out_dir) as tmp:
