@@ -65,8 +65,19 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     # kill -9 once a search trial's ranks run (the calibration trial, number 0, has finished)
     victim = _wait(lambda: next((p.parent.parent for p in sorted(study_dir.glob("trial-*/train/launch.json"))
                                  if p.parent.parent.name != "trial-0000"), None), 200, "a search trial's torchrun")
-    os.kill(first.pid, signal.SIGKILL)
+    # kill -9 every process of the sweep worker's tree above the ranks (torchrun gives them
+    # sessions of their own; they must go by themselves)
+    from tests.conftest import descendants, train_ranks_of
+
+    _wait(lambda: train_ranks_of(victim / "train"), 120, "the victim's ranks")
+    tree = [first.pid] + sorted(pid for pid, cmd in descendants(first.pid).items() if "draftlab.train_rank" not in cmd)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     first.wait()
+    _wait(lambda: not train_ranks_of(victim / "train"), 10, "no rank of the killed trial alive")
     out_first = first.stdout.read().decode()
     wall_first = time.time() - t_first
     assert "calibration at 1 GPU(s)" in out_first, out_first
