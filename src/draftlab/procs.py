@@ -29,12 +29,24 @@ PR_SET_CHILD_SUBREAPER = 36
 PIDS_DIR = "pids"
 
 
+_libc = None
+
+
+def _prctl_fn():
+    """libc's prctl, looked up once in the parent: a child between fork and exec must not
+    dlopen (another thread may have held the loader's lock at the fork)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # not Linux: nothing to ask for
+            _libc = False
+    return _libc
+
+
 def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux: nothing to ask for
-        return False
+    fn = _prctl_fn()
+    return bool(fn) and fn(option, value, 0, 0, 0) == 0
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
@@ -103,6 +115,8 @@ def spawn(cmd: list[str], *, env: dict | None = None, new_session: bool = True, 
     long as this process. Extra keyword arguments go to Popen (stdout, cwd, …)."""
     global _spawner
 
+    _prctl_fn()
+
     def start():
         return subprocess.Popen(cmd, env=env, start_new_session=new_session, preexec_fn=_preexec(os.getpid()),
                                 **popen_kwargs)
@@ -154,6 +168,26 @@ def recorded_alive(run_dir: Path) -> list[int]:
         if rec.get("start") is not None and _start_ticks(rec["pid"]) == rec["start"] and not _zombie(rec["pid"]):
             alive.append(rec["pid"])
     return alive
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies do not count: they hold no memory, and
+    under a parent that does not reap (a container's PID 1, a test runner) they linger."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def _zombie(pid: int) -> bool:

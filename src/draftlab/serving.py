@@ -148,23 +148,7 @@ def _log_tail(path: Path, lines: int = 5) -> str:
         return ""
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs (zombies do not count: they hold no GPU memory)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == pgid and state not in ("Z", "X"):
-            return True
-    return False
+_group_alive = procs.group_alive
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

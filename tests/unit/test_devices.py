@@ -51,3 +51,14 @@ def test_cli_extract_on_cuda_without_cuda_exits_2_and_writes_nothing(tmp_path):
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "extract.device: cuda asked" in lines[0]
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_gpu_store_has_another_key_and_a_cpu_key_is_unchanged():
+    from draftlab import store
+    from draftlab.stages.extract import with_compute
+
+    fields = {"target": {"hub_id": "t"}, "layer_ids": [2, 4, 5], "dtype": "bfloat16", "dataset": "d"}
+    assert with_compute(fields, devices.on("cpu", "float32")) == fields
+    gpu = with_compute(fields, devices.on("cuda", "float32"))
+    assert gpu["compute"] == {"device": "cuda", "compute_dtype": "bfloat16"}
+    assert store.store_key(gpu) != store.store_key(fields)

@@ -240,11 +240,9 @@ def _lock_held(out_dir: Path) -> bool:
 
 
 def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    from draftlab.procs import group_alive
+
+    return group_alive(pgid)
 
 
 def stop_orphans(out_dir: Path, console) -> None:
