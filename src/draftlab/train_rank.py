@@ -79,6 +79,7 @@ class _Background:
 
     def _work(self):
         import queue
+        import threading
 
         pending, last, done = [], time.monotonic(), False
         while not done:
@@ -87,6 +88,12 @@ class _Background:
                 item = self.queue.get(timeout=wait)
                 if item is None:
                     done = True
+                elif isinstance(item, threading.Event):  # drain(): send what is queued now
+                    if pending:
+                        self._send(pending)
+                        pending, last = [], time.monotonic()
+                    item.set()
+                    continue
                 else:
                     pending.append(item)
             except queue.Empty:
@@ -98,6 +105,14 @@ class _Background:
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
+
+    def drain(self) -> None:
+        """Block until every record queued so far is in the store."""
+        import threading
+
+        sent = threading.Event()
+        self.queue.put(sent)
+        sent.wait()
 
     def close(self):
         self.queue.put(None)
@@ -177,6 +192,20 @@ class MetricsToTracker(logging.Handler):
         self.last_logged = step
 
 
+def _drain_before_checkpoints(background: _Background) -> None:
+    """Every step up to a checkpoint is in the store before the checkpoint exists: a rank killed
+    by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes."""
+    from speculators.train.trainer import Trainer
+
+    stock = Trainer.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, *args, **kwargs):
+        background.drain()
+        return stock(self, *args, **kwargs)
+
+    Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+
+
 def main(argv: list[str]) -> None:
     from draftlab import procs
 
@@ -196,8 +225,9 @@ def main(argv: list[str]) -> None:
 
             plan = json.loads((run_dir / "plan.json").read_text())
             tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
-            handlers.append(CpuTimed(MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"),
-                                                      run_dir)))
+            metrics = MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"), run_dir)
+            handlers.append(CpuTimed(metrics))
+            _drain_before_checkpoints(metrics.tracker)
     if "DRAFTLAB_STORE_DIR" in os.environ:
         verify_hidden_state_reads(Path(os.environ["DRAFTLAB_STORE_DIR"]),
                                   full=os.environ.get("DRAFTLAB_VERIFY_READS", "sha256") == "sha256")
