@@ -7,5 +7,8 @@ scripts/install.sh
 export PATH="$PWD/.venv/bin:$PATH"
 if [ ! -d .git ]; then git init -q; fi
 if [ ! -d .dvc ]; then dvc init -q; fi
+# DVC hashes the store with core.checksum_jobs threads (its default: at most 4): one per core
+# (.dvc/config.local is per host, never committed)
+dvc config --local core.checksum_jobs "$(nproc)"
 dvc repro
 draftlab summary

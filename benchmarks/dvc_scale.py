@@ -1,27 +1,28 @@
 """What does versioning the hidden-state store with DVC cost, projected to the Kimi-K2.5 scale?
 
-In fresh temp repositories (`git init` + `dvc init`), on a generated store of `--files` random
-files of `--file-mb` MB each (written with fsync, then evicted from the page cache unless
-`--warm`, so DVC reads them from disk as it would 4.6 TiB), each round measures, in
-alternating order:
+A generated store of `--files` files of `--file-mb` MB (default 135 MB: the reference's mean
+2,353 tokens × 57.35 kB per token), written with fsync. Each round, in alternating order, on a
+page cache evicted per file (posix_fadvise DONTNEED; `drop_caches` needs root):
 
-  store    DVC tracks the whole store folder: `dvc add data/hidden_states` (md5 of every file,
-           transfer into the cache), then a second `dvc status` with nothing changed (DVC's
-           cached-state path); once per `--cache-type` (default: the project's
-           `reflink,hardlink,symlink`, and `hardlink,symlink`: on a file system without reflink
-           the first *copies* the store into the cache during `add`, the second links it);
-  manifest draftlab's design (dvc.yaml's extract stage): DVC tracks only
-           `data/hidden_states/manifest.json`, written here at the reference's size
-           (`--manifest-records`, default 37,312 entries), + the in-stream sha256 that extract
-           computes on each file's bytes while they are in memory (hashlib MB/s, same bytes).
+  dd         `dd bs=16M` of every file to /dev/null: the disk's read rate
+  md5        hashlib.md5 of every file read in 16 MB chunks on one core (DVC's hash)
+  dvc jobs=N `dvc add data/hidden_states` in a fresh repo (`git init` + `dvc init`,
+             cache.type hardlink,symlink as the project sets it), with core.checksum_jobs N:
+             once at 1 and once at the machine's cores; the workspace files are hardlinks of
+             the generated ones, so nothing is copied and every repo reads the same bytes
+  start-up   `dvc add` of one small file in a fresh repo: what every DVC command pays
+  per-file   `dvc add` of `--small-files` files of 4 kB: DVC's cost per file apart from bytes
 
-It then projects both to the reference scenario (37,312 files, 4.58 TiB; extraction 87.8 M
-tokens at 2,600 tok/s ≈ 9.4 h) and prints each one's fraction of extraction time (goal ≤ 10%).
-Medians and min–max over `--rounds`; nothing passes or fails on timing.
+and once, the in-memory md5 rate of one core (the same bytes, from memory). The projection to
+the reference (37,312 files, 4.58 TiB; extraction 87.8 M tokens at 2,600 tokens/s = 9.4 h)
+on a host of `--ref-cores` cores and a disk of `--ref-disk-gb-s` GB/s:
+    start-up + bytes / min(disk, cores × md5 per core × DVC's efficiency) + files × per-file
+where DVC's efficiency is its measured rate at jobs=1 over md5's (from cold files). Goal: DVC's
+hashing + linking ≤ 10% of extraction there, and ≥ 0.8× dd here. Nothing passes or fails on
+timing.
 
-    python benchmarks/dvc_scale.py                        # 200 files x 4 MB, 3 rounds: ~1-2 min on 2 cores
-    python benchmarks/dvc_scale.py --files 50 --file-mb 64 --json reports/dvc_scale.json
-    python benchmarks/dvc_scale.py --cache-type hardlink,symlink --warm
+    python benchmarks/dvc_scale.py                         # 16 x 135 MB = 2.2 GB, 3 rounds
+    python benchmarks/dvc_scale.py --files 24 --rounds 5 --json reports/dvc_scale.json
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,26 +40,24 @@ import tempfile
 import time
 from pathlib import Path
 
-# The Kimi-K2.5 reference scenario (DESIGN.md).
+# The Kimi-K2.5 reference scenario (DESIGN.md, tests/unit/test_planning.py).
 REF_FILES = 37_312
-REF_BYTES = 4.58 * 2**40
-REF_TOKENS = 87.8e6
+REF_BYTES = 5_034_000_000_000  # 4.58 TiB
+REF_TOKENS = 87_800_000
 REF_TOKENS_PER_S = 2_600
 REF_EXTRACT_S = REF_TOKENS / REF_TOKENS_PER_S
 GOAL_FRACTION = 0.10
+CHUNK = 16 << 20
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--files", type=int, default=200, help="files in the generated store")
-    ap.add_argument("--file-mb", type=float, default=4.0, help="MB (1e6 bytes) per file")
+    ap.add_argument("--files", type=int, default=16, help="files in the generated store")
+    ap.add_argument("--file-mb", type=float, default=135.0, help="MB per file (reference mean: 135)")
+    ap.add_argument("--small-files", type=int, default=2000, help="4 kB files for DVC's per-file cost")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats")
-    ap.add_argument("--cache-type", action="append", default=None,
-                    help="DVC cache.type for whole-store tracking; repeat to compare "
-                    "(default: reflink,hardlink,symlink and hardlink,symlink)")
-    ap.add_argument("--manifest-records", type=int, default=REF_FILES,
-                    help="entries in the tracked manifest (default: the reference's file count)")
-    ap.add_argument("--warm", action="store_true", help="leave the store in the page cache (optimistic for DVC)")
+    ap.add_argument("--ref-cores", type=int, default=16, help="cores of the reference host")
+    ap.add_argument("--ref-disk-gb-s", type=float, default=2.0, help="read GB/s of the reference host's disk")
     ap.add_argument("--workdir", type=Path, default=None, help="where temp repos go (default: system temp)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     return ap.parse_args()
@@ -75,87 +75,55 @@ def dvc_exe() -> str:
     return found
 
 
-def timed(cmd: list[str], cwd: Path) -> float:
-    # DVC keeps per-repo state under a site cache dir (by default /var/tmp/dvc, and `dvc init`
-    # writes there before any config exists): point it into the temp tree, removed at the end.
+def children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def timed(cmd: list[str], cwd: Path, cpu: list | None = None) -> float:
+    # DVC keeps per-repo state under a site cache dir (by default /var/tmp/dvc): point it into the
+    # temp tree, removed at the end.
     env = {**os.environ, "DVC_SITE_CACHE_DIR": str(cwd.parent / "dvc-site"), "DVC_NO_ANALYTICS": "1"}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), children_cpu_s()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     dt = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(children_cpu_s() - c0)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{proc.stdout}{proc.stderr}")
     return dt
 
 
-def init_repo(root: Path, dvc: str, cache_type: str) -> None:
+def init_repo(root: Path, dvc: str, jobs: int) -> None:
     root.mkdir(parents=True)
     timed(["git", "init", "-q"], root)
     timed([dvc, "init", "-q"], root)
-    # Written directly: three `dvc config` calls would cost seconds.
-    (root / ".dvc" / "config").write_text(f'[core]\n    analytics = false\n[cache]\n    type = "{cache_type}"\n')
+    (root / ".dvc" / "config").write_text(
+        f'[core]\n    analytics = false\n    checksum_jobs = {jobs}\n[cache]\n    type = "hardlink,symlink"\n')
 
 
-def generate_store(store_dir: Path, args, seed: int) -> dict:
-    """Random files, each written as extract writes it (one write + fsync); returns the
-    manifest records and the in-memory sha256 / md5 (/ xxh3) seconds over the same bytes."""
+def generate(src: Path, args) -> float:
+    """Random files written as extract writes them (one write + fsync); returns the in-memory
+    md5 CPU-seconds of one core over the same bytes."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    store_dir.mkdir(parents=True)
-    size = int(args.file_mb * 1e6)
-    try:  # a non-cryptographic alternative for comparison (xxhash comes with datasets)
-        from xxhash import xxh3_128
-    except ImportError:
-        xxh3_128 = None
-    records, sha_s, md5_s, xxh_s = [], 0.0, 0.0, 0.0
+    rng = np.random.default_rng(0)
+    src.mkdir(parents=True)
+    size, md5_s = int(args.file_mb * 1e6), 0.0
     for i in range(args.files):
         blob = rng.bytes(size)
-        t0 = time.perf_counter()
-        digest = hashlib.sha256(blob).hexdigest()
-        t1 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: the machine is shared, wall-clock would measure the others
         hashlib.md5(blob).hexdigest()
-        t2 = time.perf_counter()
-        if xxh3_128 is not None:
-            xxh3_128(blob).hexdigest()
-        xxh_s += time.perf_counter() - t2
-        md5_s += t2 - t1
-        sha_s += t1 - t0
-        name = f"hs_{i}.safetensors"
-        with open(store_dir / name, "wb") as f:
+        md5_s += time.process_time() - t0
+        with open(src / f"hs_{i}.safetensors", "wb") as f:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-        records.append({"index": i, "name": name, "bytes": size, "sha256": digest, "tokens": size // 57_352})
-    return {"records": records, "bytes": size * args.files, "sha256_s": sha_s, "md5_s": md5_s,
-            "xxh3_128_s": xxh_s if xxh3_128 is not None else None}
+    return md5_s
 
 
-def write_manifest(path: Path, records: list[dict], num_records: int) -> int:
-    """A manifest like extract's, padded with made-up entries to the reference's file count."""
-    mean_bytes, fake = int(REF_BYTES / REF_FILES), hashlib.sha256(b"padding").hexdigest()
-    padded = records + [{"index": i, "name": f"hs_{i}.safetensors", "bytes": mean_bytes, "sha256": fake,
-                         "tokens": mean_bytes // 57_352} for i in range(len(records), num_records)]
-    text = json.dumps({"key": "benchmark", "num_files": len(padded), "files": padded}, indent=2) + "\n"
-    path.write_text(text)
-    return len(text)
-
-
-def link_kind(path: Path, nlink_before: int) -> str:
-    if path.is_symlink():
-        return "symlink"
-    return "hardlink" if os.lstat(path).st_nlink > nlink_before else "copy (or reflink)"
-
-
-def link_store(src: Path, store_dir: Path, records: list[dict]) -> None:
-    """The generated files, hard-linked: every approach sees the same bytes, none is copied."""
-    store_dir.mkdir(parents=True)
-    for rec in records:
-        os.link(src / rec["name"], store_dir / rec["name"])
-
-
-def evict(store_dir: Path) -> None:
-    """Drop the (clean, fsynced) files from the page cache so that DVC reads them from disk."""
-    for path in store_dir.iterdir():
+def evict(files: list[Path]) -> None:
+    for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -163,177 +131,151 @@ def evict(store_dir: Path) -> None:
             os.close(fd)
 
 
-def run_store(root: Path, dvc: str, cache_type: str, src: Path, records: list[dict], warm: bool) -> dict:
-    """Whole-store tracking: dvc add of the folder, then a no-change dvc status (timed 2nd)."""
-    init_repo(root, dvc, cache_type)
-    store_dir = root / "data" / "hidden_states"
-    link_store(src, store_dir, records)
-    if not warm:
-        evict(store_dir)
-    probe = store_dir / "hs_0.safetensors"
-    nlink_before = os.lstat(probe).st_nlink
-    add_s = timed([dvc, "add", "-q", "data/hidden_states"], root)
-    timed([dvc, "status", "-q"], root)
-    status_s = timed([dvc, "status", "-q"], root)
-    return {"add_s": add_s, "status_s": status_s, "link": link_kind(probe, nlink_before)}
+def run_dd(files: list[Path]) -> dict:
+    evict(files)
+    t0, c0 = time.perf_counter(), children_cpu_s()
+    for path in files:
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "status=none"], check=True)
+    return {"s": time.perf_counter() - t0, "cpu_s": children_cpu_s() - c0}
 
 
-def run_manifest(root: Path, dvc: str, cache_type: str, src: Path, records, num_records: int) -> dict:
-    """draftlab's design: the store's files sit in the workspace, DVC tracks manifest.json only."""
-    init_repo(root, dvc, cache_type)
-    store_dir = root / "data" / "hidden_states"
-    link_store(src, store_dir, records)
-    manifest_bytes = write_manifest(store_dir / "manifest.json", records, num_records)
-    add_s = timed([dvc, "add", "-q", "data/hidden_states/manifest.json"], root)
-    timed([dvc, "status", "-q"], root)
-    status_s = timed([dvc, "status", "-q"], root)
-    return {"add_s": add_s, "status_s": status_s, "manifest_bytes": manifest_bytes}
+def run_md5(files: list[Path]) -> dict:
+    evict(files)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for path in files:
+        h = hashlib.md5()
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+    return {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def run_dvc(root: Path, dvc: str, jobs: int, src: Path, files: list[Path]) -> dict:
+    init_repo(root, dvc, jobs)
+    store = root / "data" / "hidden_states"
+    store.mkdir(parents=True)
+    for path in files:
+        os.link(path, store / path.name)
+    evict(files)
+    cpu: list[float] = []
+    add_s = timed([dvc, "add", "-q", "data/hidden_states"], root, cpu)
+    probe = store / files[0].name
+    return {"s": add_s, "cpu_s": cpu[0], "linked": os.lstat(probe).st_nlink >= 2 or probe.is_symlink()}
+
+
+def run_small(root: Path, dvc: str, jobs: int, n: int) -> dict:
+    init_repo(root, dvc, jobs)
+    store = root / "data" / "small"
+    store.mkdir(parents=True)
+    for i in range(n):
+        (store / f"f{i}").write_bytes(os.urandom(4096))
+    cpu: list[float] = []
+    return {"s": timed([dvc, "add", "-q", "data/small"], root, cpu), "cpu_s": cpu[0]}
+
+
+def run_startup(root: Path, dvc: str, jobs: int) -> dict:
+    init_repo(root, dvc, jobs)
+    (root / "one").write_bytes(b"x")
+    cpu: list[float] = []
+    return {"s": timed([dvc, "add", "-q", "one"], root, cpu), "cpu_s": cpu[0]}
 
 
 def main() -> None:
     args = parse_args()
-    cache_types = args.cache_type or ["reflink,hardlink,symlink", "hardlink,symlink"]
-    dvc = dvc_exe()
-    dvc_version = subprocess.run([dvc, "--version"], capture_output=True, text=True).stdout.strip()
+    dvc, cores = dvc_exe(), os.cpu_count() or 1
+    version = subprocess.run([dvc, "--version"], capture_output=True, text=True).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix="draftlab-dvc-bench-", dir=args.workdir))
-    approaches = [f"store[{c}]" for c in cache_types] + ["manifest"]
-    runs: dict[str, list[dict]] = {a: [] for a in approaches}
-    gens = []
-    print(f"DVC {dvc_version}; {os.cpu_count()} CPUs; store {args.files} files x {args.file_mb:g} MB "
-          f"= {args.files * args.file_mb / 1e3:.2f} GB, {'warm' if args.warm else 'evicted from'} page cache; "
-          f"{args.rounds} rounds; temp dir {work}", flush=True)
+    nbytes = args.files * int(args.file_mb * 1e6)
+    jobs_list = sorted({1, cores})
+    print(f"DVC {version}; {cores} CPUs; store {args.files} files x {args.file_mb:g} MB = {nbytes / 1e9:.2f} GB "
+          f"(H = 7168, 2,353 tokens per file at the reference's 57.35 kB/token), evicted; {args.rounds} rounds; "
+          f"{work}", flush=True)
     try:
+        md5_mem_cpu_s = generate(work / "src", args)
+        files = sorted((work / "src").iterdir())
+        res: dict[str, list] = {"dd": [], "md5": [], "startup": [], "small": [],
+                                **{f"dvc{j}": [] for j in jobs_list}}
         for r in range(args.rounds):
-            rd = work / f"round-{r}"
-            gens.append(generate_store(rd / "src", args, seed=r))
-            records = gens[-1]["records"]
-            order = approaches if r % 2 == 0 else approaches[::-1]
-            for a in order:
-                if a == "manifest":
-                    res = run_manifest(rd / "repo-manifest", dvc, cache_types[0], rd / "src", records,
-                                       args.manifest_records)
-                else:
-                    c = a[len("store["):-1]
-                    res = run_store(rd / f"repo-{cache_types.index(c)}", dvc, c, rd / "src", records, args.warm)
-                runs[a].append(res)
-                print(f"  round {r + 1} {a}: dvc add {res['add_s']:.2f} s, 2nd dvc status {res['status_s']:.2f} s"
-                      + (f" (workspace: {res['link']})" if "link" in res else ""), flush=True)
-            shutil.rmtree(rd, ignore_errors=True)
-        results = summarize(args, runs, gens, cache_types, dvc_version)
-        report(results)
+            steps = {"dd": lambda: run_dd(files), "md5": lambda: run_md5(files),
+                     "startup": lambda: run_startup(work / f"r{r}-startup", dvc, cores),
+                     "small": lambda: run_small(work / f"r{r}-small", dvc, cores, args.small_files),
+                     **{f"dvc{j}": (lambda j=j: run_dvc(work / f"r{r}-jobs{j}", dvc, j, work / "src", files))
+                        for j in jobs_list}}
+            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                res[name].append(steps[name]())
+            line = ", ".join(f"{n} {nbytes / vs[-1]['s'] / 1e6:.0f} MB/s ({vs[-1]['cpu_s']:.1f} CPU-s)"
+                             for n, vs in res.items() if n not in ("startup", "small"))
+            print(f"  round {r + 1}: {line}; dvc start-up {res['startup'][-1]['s']:.2f} s, "
+                  f"{args.small_files} small files {res['small'][-1]['s']:.2f} s; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            for j in jobs_list:
+                shutil.rmtree(work / f"r{r}-jobs{j}", ignore_errors=True)
+        out = summarize(args, res, md5_mem_cpu_s, nbytes, jobs_list, cores, version)
+        report(out)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
             print(f"results → {args.json}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(args, runs, gens, cache_types, dvc_version) -> dict:
-    nbytes = args.files * int(args.file_mb * 1e6)
-    man = runs["manifest"]
-    man_add = spread([m["add_s"] for m in man])
-    man_status = spread([m["status_s"] for m in man])
-    sha_mb_s = spread([g["bytes"] / g["sha256_s"] / 1e6 for g in gens])
-    write_mb_s = REF_BYTES / REF_EXTRACT_S / 1e6
-    out = {
-        "machine": {"cpus": os.cpu_count(), "dvc": dvc_version},
-        "store": {"files": args.files, "file_mb": args.file_mb, "bytes": nbytes,
-                  "page_cache": "warm" if args.warm else "evicted"},
-        "reference": {"files": REF_FILES, "bytes": REF_BYTES, "tokens": REF_TOKENS,
-                      "tokens_per_s": REF_TOKENS_PER_S, "extract_s": REF_EXTRACT_S, "write_mb_s": write_mb_s},
-        "in_memory_mb_s": {"sha256": sha_mb_s, **{
-            name: spread([g["bytes"] / g[f"{name}_s"] / 1e6 for g in gens])
-            for name in ("md5", "xxh3_128") if gens[0].get(f"{name}_s")}},
-        "approaches": {},
+def summarize(args, res, md5_mem_cpu_s, nbytes, jobs_list, cores, version) -> dict:
+    gb = nbytes / 1e9
+    med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+    startup_s, startup_cpu = med(res["startup"], "s"), med(res["startup"], "cpu_s")
+    wall = {n: spread([gb * 1e3 / max(x["s"] - (startup_s if n.startswith("dvc") else 0), 1e-3) for x in res[n]])
+            for n in ["dd", "md5", *(f"dvc{j}" for j in jobs_list)]}  # MB/s (DVC: start-up subtracted)
+    over_dd = {n: spread([(gb * 1e3 / max(x["s"] - (startup_s if n.startswith("dvc") else 0), 1e-3))
+                          / (gb * 1e3 / d["s"]) for x, d in zip(res[n], res["dd"])]) for n in wall if n != "dd"}
+    cpu_per_gb = {n: spread([max(x["cpu_s"] - (startup_cpu if n.startswith("dvc") else 0), 0.0) / gb
+                             for x in res[n]]) for n in wall}
+    md5_core_mb_s = nbytes / md5_mem_cpu_s / 1e6
+    # DVC's CPU per byte (hash, state, link), from its own jobs=1 run: the rate one core sustains
+    dvc_core_mb_s = 1e3 / max(cpu_per_gb["dvc1"]["median"], 1e-6)
+    per_file_cpu = max(med(res["small"], "cpu_s") - startup_cpu, 0.0) / args.small_files
+    per_file_s = max(med(res["small"], "s") - startup_s, 0.0) / args.small_files
+
+    def ref_s(jobs: int) -> float:
+        rate = min(args.ref_disk_gb_s * 1e3, min(jobs, args.ref_cores) * dvc_core_mb_s)
+        return startup_cpu + REF_BYTES / (rate * 1e6) + REF_FILES * per_file_cpu
+
+    default_jobs = max(1, min(4, args.ref_cores // 2))
+    return {
+        "machine": {"cpus": cores, "dvc": version, "load_average_end": os.getloadavg()},
+        "store": {"files": args.files, "file_mb": args.file_mb, "bytes": nbytes, "page_cache": "evicted"},
+        "wall_mb_s": wall, "over_dd": over_dd, "cpu_s_per_gb": cpu_per_gb,
+        "md5_in_memory_one_core_mb_s": md5_core_mb_s, "dvc_one_core_mb_s": dvc_core_mb_s,
+        "linked_not_copied": all(x["linked"] for j in jobs_list for x in res[f"dvc{j}"]),
+        "dvc_startup_s": spread([x["s"] for x in res["startup"]]), "dvc_startup_cpu_s": startup_cpu,
+        "dvc_per_file_s": per_file_s, "dvc_per_file_cpu_s": per_file_cpu,
+        "reference": {"files": REF_FILES, "bytes": REF_BYTES, "extract_s": REF_EXTRACT_S, "cores": args.ref_cores,
+                      "disk_gb_s": args.ref_disk_gb_s, "dvc_s": ref_s(args.ref_cores),
+                      "fraction_of_extraction": ref_s(args.ref_cores) / REF_EXTRACT_S,
+                      "default_jobs": default_jobs, "dvc_s_default_jobs": ref_s(default_jobs),
+                      "fraction_at_default_jobs": ref_s(default_jobs) / REF_EXTRACT_S},
     }
-    for c in cache_types:
-        rs = runs[f"store[{c}]"]
-        # DVC's own start-up is paid by every command: the manifest repo's `dvc add` of the same
-        # round measures it, so the store's per-byte rate is bytes / (difference).
-        marginal = spread([nbytes / max(x["add_s"] - m["add_s"], 1e-3) / 1e6 for x, m in zip(rs, man)])
-        status = spread([x["status_s"] for x in rs])
-        per_file_status_s = max(status["median"] - man_status["median"], 0.0) / args.files
-        ref_add_s = REF_BYTES / (marginal["median"] * 1e6) + man_add["median"]
-        out["approaches"][f"store[{c}]"] = {
-            "dvc_add_s": spread([x["add_s"] for x in rs]),
-            "add_mb_per_s": spread([nbytes / x["add_s"] / 1e6 for x in rs]),
-            "add_marginal_mb_per_s": marginal,
-            "add_files_per_s": spread([args.files / x["add_s"] for x in rs]),
-            "dvc_status_no_change_s": status,
-            "workspace_after_add": rs[0]["link"],
-            "ref_dvc_add_s": ref_add_s,
-            "ref_dvc_status_no_change_s": man_status["median"] + per_file_status_s * REF_FILES,
-            "ref_fraction_of_extraction": ref_add_s / REF_EXTRACT_S,
-        }
-    sha_ref_s = REF_BYTES / (sha_mb_s["median"] * 1e6)
-    out["approaches"]["manifest"] = {
-        "manifest_records": args.manifest_records, "manifest_bytes": man[0]["manifest_bytes"],
-        "dvc_add_s": man_add, "dvc_status_no_change_s": man_status,
-        "ref_dvc_add_s": man_add["median"], "ref_dvc_status_no_change_s": man_status["median"],
-        "ref_sha256_cpu_s": sha_ref_s,
-        "sha256_fraction_of_one_core": write_mb_s / sha_mb_s["median"],
-        "ref_fraction_of_extraction_dvc_only": man_add["median"] / REF_EXTRACT_S,
-        "ref_fraction_of_extraction": (man_add["median"] + sha_ref_s) / REF_EXTRACT_S,
-    }
-    return out
 
 
-def report(res: dict) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+def report(out: dict) -> None:
+    def ms(s, f="{:.0f}"):
+        return f"{f.format(s['median'])} ({f.format(s['min'])}–{f.format(s['max'])})"
 
-    con = Console(highlight=False, width=max(Console().width, 120))
-
-    def ms(s, fmt="{:.2f}"):
-        return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
-
-    def dur(s):
-        return f"{s / 3600:.2f} h" if s >= 360 else f"{s:.1f} s"
-
-    st, ref, aps = res["store"], res["reference"], res["approaches"]
-    names = list(aps)
-    t = Table(title=f"DVC on a generated store: {st['files']} files x {st['file_mb']:g} MB, "
-              f"{st['page_cache']} page cache; median (min–max) over rounds")
-    t.add_column("measure")
-    for n in names:
-        a = aps[n]
-        head = (f"manifest only\n({a['manifest_records']:,} entries, {a['manifest_bytes'] / 1e6:.1f} MB)"
-                if n == "manifest" else f"whole store\ncache.type {n[6:-1]}")
-        t.add_column(escape(head), justify="right")
-
-    def row(label, fn):
-        t.add_row(label, *[escape(fn(aps[n], n)) for n in names])
-
-    store_only = lambda f: (lambda a, n: "" if n == "manifest" else f(a))  # noqa: E731
-    row("dvc add, s", lambda a, n: ms(a["dvc_add_s"]))
-    row("dvc add, MB/s (incl. DVC start-up)", store_only(lambda a: ms(a["add_mb_per_s"], "{:.0f}")))
-    row("dvc add, MB/s (start-up subtracted)", store_only(lambda a: ms(a["add_marginal_mb_per_s"], "{:.0f}")))
-    row("dvc add, files/s", store_only(lambda a: ms(a["add_files_per_s"], "{:.0f}")))
-    row("2nd dvc status, no change, s", lambda a, n: ms(a["dvc_status_no_change_s"]))
-    row("workspace files after dvc add", lambda a, n: "untouched" if n == "manifest" else a["workspace_after_add"])
-    row("reference: dvc add per change", lambda a, n: dur(a["ref_dvc_add_s"]))
-    row("reference: no-change dvc status", lambda a, n: dur(a["ref_dvc_status_no_change_s"]))
-    row("reference: in-stream sha256 (CPU)", lambda a, n: dur(a["ref_sha256_cpu_s"]) if n == "manifest" else "")
-    row(f"reference: fraction of {ref['extract_s'] / 3600:.2f} h extraction",
-        lambda a, n: (f"{a['ref_fraction_of_extraction_dvc_only']:.3%} DVC + "
-                      f"{a['sha256_fraction_of_one_core']:.1%} sha256") if n == "manifest"
-        else f"{a['ref_fraction_of_extraction']:.1%}")
-    con.print(t)
-    hashing = ", ".join(f"{k} {ms(v, '{:.0f}')}" for k, v in res["in_memory_mb_s"].items())
-    m = aps["manifest"]
-    con.print(f"in-memory hashing of the same bytes, MB/s on one core: {hashing}", markup=False)
-    con.print(f"reference: {ref['files']:,} files, {ref['bytes'] / 2**40:.2f} TiB, {ref['tokens'] / 1e6:.1f} M tokens "
-              f"at {ref['tokens_per_s']:,} tok/s = {ref['extract_s'] / 3600:.2f} h of extraction writing "
-              f"{ref['write_mb_s']:.0f} MB/s; in-stream sha256 keeps {m['sha256_fraction_of_one_core']:.1%} of one "
-              "core busy (added to extraction wall time if done serially, ~0 if overlapped with the next forward)",
-              markup=False)
-    parts = [f"whole store (cache.type {k[6:-1]}) {a['ref_fraction_of_extraction']:.1%} per change"
-             for k, a in aps.items() if k != "manifest"]
-    con.print(f"RESULT projected overhead at the reference, goal <= {GOAL_FRACTION:.0%} of extraction: "
-              + "; ".join(parts) + f"; manifest only: DVC {m['ref_fraction_of_extraction_dvc_only']:.3%}"
-              f" + in-stream sha256 {m['sha256_fraction_of_one_core']:.1%} of one core", markup=False)
+    ref, w, c = out["reference"], out["wall_mb_s"], out["cpu_s_per_gb"]
+    print(f"wall-clock MB/s, median (min–max): " + "; ".join(f"{n} {ms(v)}" for n, v in w.items())
+          + " (dvc: start-up subtracted)")
+    print("over dd: " + "; ".join(f"{n} {ms(v, '{:.2f}')}" for n, v in out["over_dd"].items()))
+    print("CPU-s per GB: " + "; ".join(f"{n} {ms(v, '{:.2f}')}" for n, v in c.items()))
+    print(f"one core: md5 in memory {out['md5_in_memory_one_core_mb_s']:.0f} MB/s, DVC (its CPU per byte at jobs=1) "
+          f"{out['dvc_one_core_mb_s']:.0f} MB/s; dvc start-up {ms(out['dvc_startup_s'], '{:.2f}')} s "
+          f"({out['dvc_startup_cpu_s']:.2f} CPU-s); per file {out['dvc_per_file_cpu_s'] * 1e3:.2f} CPU-ms "
+          f"({out['dvc_per_file_s'] * 1e3:.2f} ms wall); workspace linked, not copied: {out['linked_not_copied']}; "
+          f"load average at the end {out['machine']['load_average_end'][0]:.1f}")
+    print(f"RESULT reference ({ref['files']:,} files, {ref['bytes'] / 2**40:.2f} TiB) on {ref['cores']} cores, "
+          f"{ref['disk_gb_s']:g} GB/s: dvc add {ref['dvc_s'] / 3600:.2f} h = {ref['fraction_of_extraction']:.1%} of the "
+          f"{ref['extract_s'] / 3600:.1f} h extraction at checksum_jobs = cores (goal <= {GOAL_FRACTION:.0%}); "
+          f"{ref['dvc_s_default_jobs'] / 3600:.2f} h = {ref['fraction_at_default_jobs']:.1%} at DVC's default "
+          f"{ref['default_jobs']}")
 
 
 if __name__ == "__main__":

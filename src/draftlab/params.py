@@ -141,8 +141,11 @@ class Extract(Section):
         description="Exactly 3 auxiliary layer ids; null = speculators' default [2, L//2, L-3]. "
         "The final layer (before the final norm) is always appended.",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of the stored hidden states."
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16",
+        description="dtype of the stored hidden states. `float8_e4m3fn`: half the bytes of bfloat16, "
+        "one fp32 scale per token (hs_connectors' fp8 layout); train reads it with speculators' "
+        "`--hidden-states-backend fp8`, which dequantizes to bfloat16.",
     )
     batch_tokens: PositiveInt = Field(
         4096, description="Tokens per forward pass (samples are batched in index order up to this)."

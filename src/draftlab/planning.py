@@ -1,7 +1,7 @@
 """The cost model behind `draftlab plan`: bytes on disk, packed steps, wall-clock and GPU-hours,
 each figure with where it came from, and the warnings that catch plans which waste compute.
 
-    store      tokens × (4 × H × dtype + 8) + files × safetensors header      (draftlab.store)
+    store      tokens × (4 × H × dtype + 8 [+ 4 fp8 scale]) + files × header  (draftlab.store)
     steps      speculators' own packing sampler (draftlab.accounting), exact from per-sample
                lengths; from counts alone, a range over stated length distributions
     wall-clock draftlab.costmodel (the one the sweep and the ETA use): start-up + steps × s/step
@@ -82,7 +82,8 @@ def store_bytes(num_tokens: int, num_samples: int, hidden_size: int, dtype: str 
 def batch_bytes(total_seq_len: int, hidden_size: int, dtype: str = "bfloat16") -> int:
     """One packed row as speculators' CollateFn builds it: hidden_states [L, 3H] + verifier_last
     [L, H] in `dtype`, plus the int64 index tensors (~470 MB at L = 8,192, H = 7,168, bf16)."""
-    return total_seq_len * (4 * hidden_size * store.DTYPE_BYTES[dtype] + COLLATE_INDEX_BYTES_PER_TOKEN)
+    return total_seq_len * (4 * hidden_size * store.DTYPE_BYTES[store.read_dtype(dtype)]
+                            + COLLATE_INDEX_BYTES_PER_TOKEN)
 
 
 def loader_inflight_bytes(total_seq_len: int, hidden_size: int, dtype: str, num_workers: int,

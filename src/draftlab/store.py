@@ -3,13 +3,16 @@ that makes extraction resumable, and the manifest that DVC tracks in place of th
 
 Layout of a store folder:
     hs_<i>.safetensors   hidden_states [T, 4, H] (3 aux layers, then the final layer before the
-                         final norm) and token_ids [T] (int64), for row i of the prepared dataset
+                         final norm) and token_ids [T] (int64), for row i of the prepared dataset;
+                         in an fp8 store hidden_states is float8_e4m3fn and hidden_states_scales
+                         [T, 1, 1] fp32 holds one scale per token (hs_connectors' fp8 layout,
+                         dequantized on read by speculators' `--hidden-states-backend fp8`)
     .journal.jsonl       line 1: the store key; then one line per finished batch of files
-    manifest.json        written last: key, its fields, per-file bytes/sha256/tokens, totals
+    manifest.json        written last: key, its fields, dtype, per-file bytes/sha256/tokens, totals
 
-Why a manifest: versioning a 4.6 TiB store by md5 costs DVC hours per change, so DVC tracks
-manifest.json (whose sha256s are computed from bytes already in memory during extraction) and
-the files are checked against it by `draftlab verify`.
+DVC versions the whole folder (a persistent output of `extract`, cached by hardlink); the
+manifest's sha256s, computed from bytes already in memory during extraction, let `draftlab verify`
+check a store without DVC.
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.util import sha256_file
+from draftlab.util import sha256_file, write_bytes_atomic
 
 MANIFEST = "manifest.json"
 JOURNAL = ".journal.jsonl"
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FP8 = "float8_e4m3fn"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
 TOKEN_ID_BYTES = 8  # token_ids are int64
+SCALE_BYTES = 4  # fp8: one fp32 scale per token
+SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY (a unit test keeps them equal)
+# safetensors header dtype names -> the store's dtype names
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8}
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -39,13 +48,44 @@ def stale_dir(store_dir: Path, key: str | None) -> Path:
     return store_dir.parent / f".stale-{store_dir.name}-{(key or 'unknown')[:12]}"
 
 
+def work_dir(store_dir: Path) -> Path:
+    """Where extraction writes and keeps a store: beside it, outside the DVC output (which DVC
+    removes before the stage runs); the output is published from it as hardlinks."""
+    store_dir = Path(store_dir)
+    return store_dir.parent / f".{store_dir.name}.work"
+
+
 def file_name(index: int) -> str:
     return f"hs_{index}.safetensors"
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Analytic payload per token: 4 layers × H × dtype bytes + one int64 token id."""
-    return 4 * hidden_size * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES
+    """Analytic payload per token: 4 layers × H × dtype bytes + one int64 token id (+ one fp32
+    scale in an fp8 store)."""
+    return 4 * hidden_size * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES + (SCALE_BYTES if dtype == FP8 else 0)
+
+
+def read_dtype(dtype: str) -> str:
+    """The dtype speculators' reader hands the trainer: fp8 files are dequantized to bfloat16."""
+    return "bfloat16" if dtype == FP8 else dtype
+
+
+def backend(dtype: str) -> str:
+    """speculators' `--hidden-states-backend` for a store of this dtype."""
+    return "fp8" if dtype == FP8 else "file"
+
+
+def file_dtype(path: Path) -> str:
+    """dtype of a file's `hidden_states`, from its safetensors header alone (no tensor read);
+    an fp8 file without its scales is reported as such, so it is never read as unscaled."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    name = header["hidden_states"]["dtype"]
+    dtype = SAFETENSORS_DTYPES.get(name, name)
+    if dtype == FP8 and SCALES_KEY not in header:
+        return f"{FP8} without {SCALES_KEY}"
+    return dtype
 
 
 def predicted_bytes(seq_lens: list[int], hidden_size: int, dtype: str, header_bytes: int = 256) -> int:
@@ -99,12 +139,22 @@ class Journal:
         write_bytes_atomic(self.path, ("\n".join(lines) + "\n").encode())
 
     def record(self, files: list[dict]) -> None:
+        _own(self.path)
         with open(self.path, "a") as f:
             f.write(json.dumps({"files": files}) + "\n")
             f.flush()
             os.fsync(f.fileno())
         for rec in files:
             self.done[rec["index"]] = rec
+
+
+def _own(path: Path) -> None:
+    """Make `path` a private, writable file before appending to it. Once DVC has cached the store,
+    the workspace journal is a hardlink (or symlink) to a read-only cache object: appending in
+    place would fail, or worse, change the cached copy of an older store."""
+    st = os.lstat(path)
+    if path.is_symlink() or st.st_nlink > 1 or not os.access(path, os.W_OK):
+        write_bytes_atomic(path, path.read_bytes())
 
 
 class StaleStoreError(RuntimeError):
@@ -188,20 +238,31 @@ def journal_stamps(store_dir: Path) -> dict[str, int]:
 
 
 def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False) -> list[str]:
-    """Problems found: missing, truncated, garbage-header or (full=True: re-hashed) corrupt files.
+    """Problems found: missing, truncated, garbage-header, other-dtype (than the manifest's) or
+    (full=True: re-hashed) corrupt files.
     changed_only: a file whose mtime is the one recorded when it was written is not re-hashed
     (the cheap check `dvc repro` runs before extract)."""
     store_dir = Path(store_dir)
     manifest = read_manifest(store_dir)
+    want_dtype = manifest.get("dtype")
     stamps = journal_stamps(store_dir) if changed_only else {}
     problems = []
     for rec in manifest["files"]:
         path = store_dir / rec["name"]
         stamped = {**rec, "mtime_ns": stamps[rec["name"]]} if rec["name"] in stamps else rec
         problem = file_problem(path, stamped, full=full, trust_stat=changed_only)
+        if not problem and want_dtype and (got := _header_dtype(path)) != want_dtype:
+            problem = f"holds {got} hidden states, the manifest says dtype {want_dtype}"
         if problem:
             problems.append(f"{path}: {problem}")
     return problems
 
 
 REPAIR = "run `draftlab extract` (or `dvc repro extract`): it re-extracts only the bad files"
+
+
+def _header_dtype(path: Path) -> str:
+    try:
+        return file_dtype(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return "unreadable (not a safetensors file with hidden_states)"

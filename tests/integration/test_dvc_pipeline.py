@@ -1,7 +1,10 @@
 """`dvc repro` for real, in a temp copy of the repo on the tiny default: the pipeline runs up to
-extract, a second run does nothing and says so, and changing an extract param re-runs extract
-but not prepare."""
+extract and DVC caches the store by hardlink; a second run does nothing; `dvc push` to a local
+remote and `dvc pull` in a fresh clone give the same bytes, which verify and do not re-extract;
+changing an extract param re-runs extract alone, and `git checkout` + `dvc checkout` bring the
+old store back byte for byte."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -39,15 +42,44 @@ def repo_copy(tmp_path_factory):
     return dest, env
 
 
+def _files(store_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(store_dir.iterdir()) if p.is_file()}
+
+
+def _du_bytes(root: Path, *paths: str) -> list[int]:
+    """`du` of several paths in one call: a hardlinked inode counts once, for the first path."""
+    out = subprocess.run(["du", "-s", "-B1", *paths], cwd=root, capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()]
+
+
 @pytest.mark.slow
-def test_dvc_repro_up_to_extract_then_nothing_then_only_extract(repo_copy):
+def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     root, env = repo_copy
     out = _run(["dvc", "repro", "extract"], root, env)
     assert "Running stage 'extract'" in out
-    manifest = store.read_manifest(root / "data/hidden_states")
+    hs = root / "data/hidden_states"
+    manifest = store.read_manifest(hs)
     prepared = yaml.safe_load((root / "data/prepared/prepare.json").read_text())
     assert manifest["num_files"] == prepared["num_samples"] > 0
-    assert store.verify(root / "data/hidden_states") == []
+    assert store.verify(hs) == []
+    work = store.work_dir(hs)  # where extract keeps the store: the same inodes, published as links
+    assert all(os.stat(work / p.name).st_ino == os.stat(p).st_ino for p in hs.iterdir())
+
+    # Cached by hardlink, never copied: every file is its cache object (same inode; identical
+    # samples share one), and the store adds nothing to the disk beyond itself.
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    out = next(o for o in lock["stages"]["extract"]["outs"] if o["path"] == "data/hidden_states")
+    cache = root / ".dvc/cache/files/md5"
+    listing = json.loads((cache / out["md5"][:2] / out["md5"][2:]).read_text())
+    assert sorted(e["relpath"] for e in listing) == sorted(p.name for p in hs.iterdir())
+    for e in listing:
+        assert os.stat(hs / e["relpath"]).st_ino == os.stat(cache / e["md5"][:2] / e["md5"][2:]).st_ino, e
+    (cache_du,) = _du_bytes(root, ".dvc/cache")
+    (store_du,) = _du_bytes(root, "data/hidden_states")
+    together = sum(_du_bytes(root, ".dvc/cache", "data/hidden_states"))
+    assert store_du >= manifest["total_bytes"] > 1e6 and cache_du >= manifest["total_bytes"]
+    assert together <= cache_du + 0.05 * store_du  # a copied store would add another store_du
+    assert os.stat(hs / manifest["files"][0]["name"]).st_mode & 0o222 == 0  # linked files are read-only
 
     again = _run(["dvc", "repro", "extract"], root, env)
     # Only the store check runs again (always_changed, seconds); it finds nothing, so no stage
@@ -56,15 +88,45 @@ def test_dvc_repro_up_to_extract_then_nothing_then_only_extract(repo_copy):
     assert ran == {"verify"}, again
     assert "Stage 'extract' didn't change, skipping" in again
 
+    remote = tmp_path / "remote"
+    _run(["dvc", "remote", "add", "-d", "local", str(remote)], root, env)
+    _run(["git", "add", "-A"], root, env)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "v1"], root, env)
+    v1 = _files(hs)
+    _run(["dvc", "push"], root, env)
+
+    clone = tmp_path / "clone"
+    _run(["git", "clone", "-q", str(root), str(clone)], tmp_path, env)
+    _run(["dvc", "pull"], clone, env)
+    assert _files(clone / "data/hidden_states") == v1
+    _run(["draftlab", "verify", "data/hidden_states"], clone, env)
+    pulled = _run(["dvc", "repro", "extract"], clone, env)
+    assert "Running stage 'extract'" not in pulled and "Running stage 'prepare'" not in pulled, pulled
+
     params = yaml.safe_load((root / "params.yaml").read_text())
-    params["extract"]["dtype"] = "float16"
+    params["extract"]["dtype"] = "float8_e4m3fn"
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     changed = _run(["dvc", "repro", "extract"], root, env)
     assert "Running stage 'extract'" in changed
     assert "Running stage 'prepare'" not in changed and "Running stage 'target'" not in changed
-    assert store.read_manifest(root / "data/hidden_states")["dtype"] == "float16"
-    # The old store was moved aside, not mixed in and not deleted.
-    assert list(root.glob("data/.stale-hidden_states-*"))
+    assert store.read_manifest(hs)["dtype"] == "float8_e4m3fn" and store.verify(hs) == []
+    assert list(root.glob("data/.stale-hidden_states-*"))  # the old store's work folder, set aside
+    _run(["git", "add", "-A"], root, env)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "v2 fp8"], root, env)
+
+    _run(["git", "checkout", "-q", "HEAD~1"], root, env)
+    _run(["dvc", "checkout"], root, env)
+    assert _files(hs) == v1
+    _run(["git", "checkout", "-q", "-"], root, env)
+    _run(["dvc", "checkout"], root, env)
+    assert store.read_manifest(hs)["dtype"] == "float8_e4m3fn"
+
+    # The old params back: DVC's run-cache restores the old store by links, nothing re-extracted.
+    params["extract"]["dtype"] = "bfloat16"
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    back = _run(["dvc", "repro", "extract"], root, env)
+    assert "Running stage 'extract'" not in back and "is cached" in back
+    assert _files(hs) == v1
 
 
 def test_dvc_cache_uses_links_not_copies():
@@ -73,4 +135,5 @@ def test_dvc_cache_uses_links_not_copies():
     cfg = ConfigParser()
     cfg.read(REPO / ".dvc/config")
     types = [t.strip() for t in cfg['cache']['type'].strip('"').split(",")]
-    assert "copy" not in types and set(types) <= {"reflink", "hardlink", "symlink"}
+    # reflink first falls back to a copy on ext4; hardlink first links (README "DVC")
+    assert types == ["hardlink", "symlink"]

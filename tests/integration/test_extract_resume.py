@@ -43,7 +43,8 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
 
     # Interrupted run: wait until some batches are journaled, then SIGKILL.
     proc = _extract(params_path, tmp_path, "killed")
-    journal = tmp_path / "killed" / store.JOURNAL
+    work = store.work_dir(tmp_path / "killed")  # where an unfinished store lives (outside DVC's output)
+    journal = work / store.JOURNAL
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if journal.exists() and len(journal.read_text().splitlines()) >= 4:
@@ -53,11 +54,12 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "killed" / store.MANIFEST).exists(), "a killed run must not look finished"
+    assert not (tmp_path / "killed").exists() and not (work / store.MANIFEST).exists(), \
+        "a killed run must not look finished"
     done_before = len(journal.read_text().splitlines()) - 1
 
     # A torn file from a kill mid-write is never taken as done.
-    (tmp_path / "killed" / ".hs_999.safetensors.tmp-1").write_bytes(b"half")
+    (work / ".hs_999.safetensors.tmp-1").write_bytes(b"half")
 
     resumed = _extract(params_path, tmp_path, "killed")
     assert resumed.wait() == 0, resumed.stderr.read()
@@ -71,4 +73,4 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
     assert done_before >= 3
     assert store.verify(tmp_path / "killed") == []
-    assert not list((tmp_path / "killed").glob(".hs_*.tmp-*"))
+    assert not list((tmp_path / "killed").glob(".hs_*.tmp-*")) and not list(work.glob(".hs_*.tmp-*"))

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftlab import store
 from draftlab.params import Params
 from draftlab.util import write_json_atomic
 
@@ -39,14 +40,22 @@ def load_draft(checkpoint: Path, verifier: str):
     return _load(checkpoint, verifier)
 
 
-def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) -> dict:
-    """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax."""
+def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path, *,
+              batches: list[list[int]] | None = None, per_batch: list[dict] | None = None) -> dict:
+    """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax. `batches`
+    (val-split indices) replaces the trainer's packing; `per_batch` collects each batch's counts
+    (for a bootstrap over samples: benchmarks/fp8_ab.py)."""
     import torch
-    from hs_connectors import FileTransfer
+    from hs_connectors import FileTransfer, FP8Transfer
     from speculators.train.data import ArrowDataset, CollateFn
 
     t = params.train
-    ds = ArrowDataset(max_len=t.total_seq_len, datapath=str(data_dir), transfer=FileTransfer(Path(store_dir)),
+    # the trainer's own reader for the store's dtype (fp8 is dequantized on read)
+    if store.read_manifest(store_dir).get("dtype") == store.FP8:
+        transfer = FP8Transfer(Path(store_dir), dequantize_dtype=getattr(torch, store.read_dtype(store.FP8)))
+    else:
+        transfer = FileTransfer(Path(store_dir))
+    ds = ArrowDataset(max_len=t.total_seq_len, datapath=str(data_dir), transfer=transfer,
                       on_missing="raise", train_ratio=params.data.train_ratio, split="val",
                       hidden_states_dtype=getattr(torch, t.hidden_states_dtype))
     from speculators.models.eagle3.data import shift_batch
@@ -62,7 +71,8 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) ->
     keys = ("loss", "full_correct", "full_total", "cond_total", "spec_full_correct")
     sums = {f"{k}_{s}": 0.0 for s in range(steps) for k in keys}
     oov = total_masked = n_batches = 0
-    for indices in sampler:
+    for indices in sampler if batches is None else batches:
+        before = dict(sums)
         batch = {k: v.to(target.device) if hasattr(v, "to") else v for k, v in collate([ds[i] for i in indices]).items()}
         with torch.no_grad():
             logits_steps, spec = draft_forward(draft, batch, steps)
@@ -86,6 +96,8 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path) ->
             sums[f"loss_{s}"] += float(spec.get(f"loss_{s}_sum", torch.tensor(0.0)))
             sums[f"spec_full_correct_{s}"] += float(spec.get(f"full_acc_{s}_sum", torch.tensor(0.0)))
         n_batches += 1
+        if per_batch is not None:
+            per_batch.append({k: v - before[k] for k, v in sums.items()})
     out = {}
     for s in range(steps):
         out[f"eval/loss_{s}"] = sums[f"loss_{s}"] / max(n_batches, 1)
@@ -224,7 +236,6 @@ def _plots(run_id: str | None, steps: int, metrics: dict, out_dir: Path) -> None
 
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, train_dir: Path,
         out_dir: Path, tracker=None) -> EvaluateResult:
-    from draftlab import store
     from draftlab.console import console
     from draftlab.stages.target import load_target, resolve
 

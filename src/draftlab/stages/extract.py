@@ -14,6 +14,10 @@ Placement (`extract.device`, `draftlab.devices`): CUDA when visible, under bf16 
 visible GPU as a data-parallel rank (`draftlab.extract_ranks`), or one process spread over all of
 them when the target does not fit one; the CPU path computes exactly as before.
 
+Where: the store is written and kept in `store.work_dir(out)` (not a DVC output: DVC removes
+its output before the stage runs), and published to `out`, the DVC output, as hardlinks of the
+same files — no byte is copied, and DVC's cache then links the same inodes.
+
 Refusals first (`check`: layer ids against the target's config.json, before any weight is
 loaded or store moved); a store of other params is set aside under its key and brought back
 when the params return; journaled files that fail verification are re-extracted, and only they
@@ -25,6 +29,8 @@ are rewritten (`drop_bad_files`).
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 import time
@@ -97,8 +103,21 @@ class LayerCapture:
             h.remove()
 
 
+def sample_tensors(hidden_T4H, token_ids, dtype: str) -> dict:
+    """One file's tensors. fp8 uses hs_connectors' own quantizer (what its vLLM connector
+    writes, and what its FP8Transfer dequantizes): one fp32 scale per token over all 4 layers."""
+    if dtype == store.FP8:
+        from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+        fp8_T4H, scales_T11 = quantize_tensor_to_fp8(hidden_T4H)
+        return {"hidden_states": fp8_T4H, store.SCALES_KEY: scales_T11, "token_ids": token_ids}
+    import torch
+
+    return {"hidden_states": hidden_T4H.to(getattr(torch, dtype)).contiguous(), "token_ids": token_ids}
+
+
 def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H, input_ids,
-                keep: frozenset[int] = frozenset()) -> list[dict]:
+                keep: frozenset[int] = frozenset(), dtype: str = "bfloat16") -> list[dict]:
     """Write one batch's files atomically, except those in `keep` (verified good: a repair
     rewrites only the bad files); return their journal records (sha256 of the bytes already in
     memory: no re-read; mtime_ns so that a later check can tell an untouched file)."""
@@ -108,7 +127,7 @@ def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H
     for r, (i, n) in enumerate(zip(batch, lengths)):
         if i in keep:
             continue
-        blob = save({"hidden_states": hidden_BT4H[r, :n].contiguous(), "token_ids": input_ids[r, :n].clone()})
+        blob = save(sample_tensors(hidden_BT4H[r, :n], input_ids[r, :n].clone(), dtype))
         path = out_dir / store.file_name(i)
         write_bytes_atomic(path, blob)
         records.append({"index": i, "name": store.file_name(i), "bytes": len(blob),
@@ -118,7 +137,8 @@ def write_batch(out_dir: Path, batch: list[int], lengths: list[int], hidden_BT4H
 
 
 def extract_batches(model, capture: LayerCapture, ds, batches: list[list[int]], out_dir: Path, dtype: str,
-                    placement, on_done, done: frozenset[int] = frozenset()) -> None:
+                    placement, on_done, done: frozenset[int] = frozenset(),
+                    heal: dict[int, str] | None = None) -> None:
     """Forward every batch, write its files except those in `done` (verified good: a repair
     rewrites only the bad ones), call `on_done(records)` once they are on disk.
 
@@ -129,7 +149,7 @@ def extract_batches(model, capture: LayerCapture, ds, batches: list[list[int]], 
 
     from draftlab import devices
 
-    torch_dtype, pad = getattr(torch, dtype), 0
+    torch_dtype, pad = (None if dtype == store.FP8 else getattr(torch, dtype)), 0
     writer = ThreadPoolExecutor(max_workers=1)
     pending = None
     try:
@@ -143,11 +163,14 @@ def extract_batches(model, capture: LayerCapture, ds, batches: list[list[int]], 
                 mask[r, : len(ids)] = 1
             with torch.no_grad(), devices.autocast(placement):
                 model.model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device))
-            hidden_BT4H = capture.stacked().to(torch_dtype).cpu()
+            # fp8 is quantized from the model's own precision, per sample, on the writer thread
+            hidden_BT4H = capture.stacked()
+            hidden_BT4H = (hidden_BT4H if dtype == store.FP8 else hidden_BT4H.to(torch_dtype)).cpu()
             if pending is not None:
                 on_done(pending.result())
             keep = frozenset(i for i in batch if i in done)
-            pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids, keep)
+            pending = writer.submit(write_batch, out_dir, batch, [len(r) for r in rows], hidden_BT4H, input_ids, keep,
+                                    dtype, heal)
         if pending is not None:
             on_done(pending.result())
     finally:
@@ -265,21 +288,31 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
         "layer_ids": layer_ids,
         "dtype": params.extract.dtype,
         "dataset": dataset_fingerprint(data_dir),
-        "format": "speculators-0.9/hs_i.safetensors",
+        "format": "speculators-0.9/hs_i.safetensors" + ("+fp8-per-token-scales" if params.extract.dtype == store.FP8 else ""),
     }
     key_fields = with_compute(key_fields, placement)
     return Checked(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, layer_ids, key_fields,
                    store.store_key(key_fields), placement, processes, device_map)
 
 
-def open_store(out_dir: Path, key: str, console) -> store.Journal:
+def check_dtype(dtype: str) -> None:
+    import torch
+
+    if dtype == store.FP8 and not hasattr(torch, store.FP8):
+        raise ParamsError(f"extract.dtype: {dtype} needs a torch with torch.{store.FP8} (this is torch "
+                          f"{torch.__version__}); use bfloat16 or a newer torch")
+
+
+def open_store(out_dir: Path, key: str, console, named: Path | None = None) -> store.Journal:
     """The store's journal for `key`. A store of another key is set aside under its own key,
-    never mixed in or deleted; one set aside earlier under `key` is brought back and reused."""
+    never mixed in or deleted; one set aside earlier under `key` is brought back and reused.
+    `named`: the store's published path, which names the set-aside folders."""
+    named = named or out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         return store.Journal.open(out_dir, key)
     except store.StaleStoreError as stale:
-        aside, back = store.stale_dir(out_dir, stale.old_key), store.stale_dir(out_dir, key)
+        aside, back = store.stale_dir(named, stale.old_key), store.stale_dir(named, key)
         console.print(f"[yellow]extract[/]: params changed; moving the old store aside to {aside} (delete it when not needed)")
         shutil.rmtree(aside, ignore_errors=True)
         out_dir.rename(aside)
@@ -289,6 +322,37 @@ def open_store(out_dir: Path, key: str, console) -> store.Journal:
         else:
             out_dir.mkdir(parents=True)
         return store.Journal.open(out_dir, key)
+
+
+def open_work(out_dir: Path, key: str, console) -> tuple[Path, store.Journal]:
+    """The folder extraction writes and keeps (store.work_dir) and its journal. A store published
+    at `out_dir` with no work folder (pulled by DVC, or an older layout) becomes the work folder."""
+    work = store.work_dir(out_dir)
+    if not work.exists() and (out_dir / store.JOURNAL).exists():
+        out_dir.rename(work)
+    return work, open_store(work, key, console, named=out_dir)
+
+
+def publish(work: Path, out_dir: Path, key: str, console) -> None:
+    """`out_dir` becomes the finished store as hardlinks of `work`'s files (metadata only, at any
+    size), swapped in by one rename. What was there is replaced if it was this store, else set aside."""
+    tmp = out_dir.with_name(f".{out_dir.name}.publish-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in work.iterdir():
+        if path.is_file() and ".tmp-" not in path.name:
+            os.link(path, tmp / path.name)
+    if out_dir.exists():
+        journal = out_dir / store.JOURNAL
+        old_key = json.loads(journal.read_text().splitlines()[0]).get("key") if journal.exists() else None
+        if old_key == key:  # an earlier publication of this store: work holds every file
+            shutil.rmtree(out_dir)
+        else:
+            aside = store.stale_dir(out_dir, old_key)
+            console.print(f"[yellow]extract[/]: moving the store published for other params aside to {aside}")
+            shutil.rmtree(aside, ignore_errors=True)
+            out_dir.rename(aside)
+    tmp.rename(out_dir)
 
 
 def drop_bad_files(out_dir: Path, journal: store.Journal, console) -> list[str]:
@@ -316,6 +380,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     from draftlab.console import console, progress_columns
     from draftlab.stages.target import load_target
 
+    check_dtype(params.extract.dtype)
     if params.extract.backend == "vllm":
         from draftlab import vllm_extract
 
@@ -327,14 +392,14 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     seq_lens = list(ds["seq_len"])
     num_layers, hidden, layer_ids, key_fields, key = c.num_layers, c.hidden_size, c.layer_ids, c.key_fields, c.key
     dtype = params.extract.dtype
-    journal = open_store(out_dir, key, console)
-    drop_bad_files(out_dir, journal, console)
+    work, journal = open_work(out_dir, key, console)
+    drop_bad_files(work, journal, console)
 
-    for torn in out_dir.glob(".hs_*.tmp-*"):  # a kill mid-write leaves these; never counted as done
+    for torn in work.glob(".hs_*.tmp-*"):  # a kill mid-write leaves these; never counted as done
         torn.unlink()
     batches = plan_batches(seq_lens, params.extract.batch_tokens)
     todo = [b for b in batches if not all(i in journal.done for i in b)]
-    _check_disk(out_dir, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
+    _check_disk(work, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
                 params.extract.min_free_disk_frac)
 
     from draftlab import telemetry
@@ -343,7 +408,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     model = None
     if todo and processes == 1:  # a store that is complete and verified needs no target at all
         model, _ = load_target(params, target_dir, device=placement.device, device_map=c.device_map)
-    sampler = telemetry.TelemetrySampler(out_dir, tracker).start() if tracker is not None and todo else None
+    sampler = telemetry.TelemetrySampler(work, tracker).start() if tracker is not None and todo else None
     capture = LayerCapture(model, layer_ids) if model is not None else None
     done = frozenset(journal.done)  # files of a todo batch that are already good: kept, not rewritten
     remaining_tokens = sum(seq_lens[i] for b in todo for i in b if i not in done)
@@ -368,12 +433,12 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
                 progress.update(task, advance=tokens, rate=f"{rate:,.0f} tok/s")
 
             if processes == 1:
-                extract_batches(model, capture, ds, todo, out_dir, dtype, placement, on_done, done)
+                extract_batches(model, capture, ds, todo, work, dtype, placement, on_done, done, heal)
             elif todo:
                 from draftlab.extract_ranks import run_ranks
 
                 run_ranks(params, processes=processes, placement=placement, target_dir=target_dir,
-                          data_dir=data_dir, out_dir=out_dir, layer_ids=layer_ids, batches=todo, on_done=on_done,
+                          data_dir=data_dir, out_dir=work, layer_ids=layer_ids, batches=todo, on_done=on_done,
                           done=done)
     finally:
         if capture is not None:
@@ -396,7 +461,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         "bytes_per_token_analytic": store.bytes_per_token(hidden, dtype),
         "files": files,
     }
-    write_json_atomic(out_dir / store.MANIFEST, manifest)
+    write_json_atomic(work / store.MANIFEST, manifest)
+    publish(work, out_dir, key, console)
     elapsed = time.perf_counter() - started
     tps = done_tokens / elapsed if done_tokens else 0.0
     if tracker is not None:
@@ -427,11 +493,17 @@ def _manifest_from_files(params: Params, *, data_dir: Path, out_dir: Path) -> Ex
             raise FileNotFoundError(f"{path}: speculators generate-offline-data did not write it")
         with safe_open(path, "pt") as f:
             shape = f.get_slice("hidden_states").get_shape()
+        got = store.file_dtype(path)
+        if got != params.extract.dtype:
+            # a server the user started keeps its own connector flags; draftlab cannot change them
+            raise ParamsError(f"{path}: holds {got} hidden states but extract.dtype is {params.extract.dtype}; "
+                              f"restart the vLLM server with the matching hs_connectors connector or set extract.dtype")
         files.append({"index": i, "name": path.name, "bytes": path.stat().st_size,
                       "sha256": sha256_file(path), "tokens": shape[0]})
     layer_ids = params.extract.layer_ids
     manifest = {
-        "key": store.store_key({"target": params.target.path, "layer_ids": layer_ids, "backend": "vllm"}),
+        "key": store.store_key({"target": params.target.path, "layer_ids": layer_ids, "backend": "vllm",
+                                "dtype": params.extract.dtype}),
         "target": {"path": params.target.path, "source": params.target.source, "hidden_size": shape[2]},
         "layer_ids": layer_ids,
         "dtype": params.extract.dtype,

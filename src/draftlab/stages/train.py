@@ -145,12 +145,14 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
 
 
 def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir: Path, out_dir: Path,
-                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str) -> list[str]:
+                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str,
+                     store_dtype: str = "bfloat16") -> list[str]:
     t = params.train
     argv = [
         "--verifier-name-or-path", verifier,
         "--data-path", str(data_dir),
         "--hidden-states-path", str(store_dir),
+        "--hidden-states-backend", store.backend(store_dtype),
         "--save-path", str(out_dir / "checkpoints"),
         "--log-dir", str(out_dir / "logs"),
         "--epochs", str(t.epochs),
@@ -367,6 +369,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
 
     manifest = store.read_manifest(store_dir)
     layer_ids = check_layer_ids(params, manifest, store_dir)
+    store_dtype = manifest.get("dtype", "bfloat16")
+    if store_dtype == store.FP8:
+        from draftlab.stages.extract import check_dtype
+
+        check_dtype(store_dtype)
     quick = store.verify(store_dir, full=False)
     if quick:
         raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
@@ -389,7 +396,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         resumed_step = last_global_step(out_dir / "checkpoints") if resumed else None
         if not resumed:
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
-                                "train.resolved_lr": params.train.resolved_lr(), "device": device})
+                                "train.resolved_lr": params.train.resolved_lr(), "device": device,
+                                "store.dtype": store_dtype, "hidden_states_backend": store.backend(store_dtype)})
             for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
                 tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
             tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
@@ -407,7 +415,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
-                                total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device)
+                                total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device,
+                                store_dtype=store_dtype)
         cmd = torchrun_cmd(params, argv)
         write_json_atomic(out_dir / "command.json", {"cmd": cmd})
         (out_dir / "failure.json").unlink(missing_ok=True)
