@@ -345,12 +345,11 @@ def publish(work: Path, out_dir: Path, key: str, console) -> None:
     if out_dir.exists():
         journal = out_dir / store.JOURNAL
         old_key = json.loads(journal.read_text().splitlines()[0]).get("key") if journal.exists() else None
-        if old_key == key:  # an earlier publication of this store: work holds every file
-            shutil.rmtree(out_dir)
+        aside = store.stale_dir(out_dir, old_key)
+        if old_key == key or (old_key and aside.is_dir()):
+            shutil.rmtree(out_dir)  # links of a store kept in full elsewhere (work, or its set-aside work)
         else:
-            aside = store.stale_dir(out_dir, old_key)
             console.print(f"[yellow]extract[/]: moving the store published for other params aside to {aside}")
-            shutil.rmtree(aside, ignore_errors=True)
             out_dir.rename(aside)
     tmp.rename(out_dir)
 
