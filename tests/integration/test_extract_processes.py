@@ -48,7 +48,7 @@ def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
     cmd = [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(tmp_path / "params.yaml"),
            "--target", str(target_dir), "--data", str(data_dir), "--out", str(tmp_path / "dp")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    journal = tmp_path / "dp" / store.JOURNAL
+    journal = store.work_dir(tmp_path / "dp") / store.JOURNAL  # extraction writes the work folder
     deadline = time.monotonic() + 120
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
         assert proc.poll() is None, f"extract ended before it could be killed: {proc.stderr.read()[-2000:]}"
