@@ -123,9 +123,11 @@ def generate(src: Path, args) -> float:
 
 
 def evict(files: list[Path]) -> None:
+    """Drop the files from the page cache (dirty pages first written back: they cannot be dropped)."""
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

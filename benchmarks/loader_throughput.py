@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dvc_scale import evict  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
@@ -73,16 +75,6 @@ def generate(root: Path, dtype: str, args) -> tuple[Path, Path, list[Path]]:
     ds.set_format("torch")  # as prepare saves it: speculators compares tensors
     ds.save_to_disk(str(data_dir))
     return store_dir, data_dir, sorted(store_dir.glob("hs_*.safetensors"))
-
-
-def evict(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def cpu_s(pid: int | None = None) -> float:
