@@ -57,6 +57,30 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# ---------------------------------------------------------------- a throwaway PostgreSQL server
+
+@pytest.fixture(scope="session")
+def postgres_cluster():
+    """One PostgreSQL cluster for the session (tests/postgres.py), stopped at the end; skipped,
+    with the reason, only where the server is not installed."""
+    from tests.postgres import Cluster, find_bindir
+
+    bindir, why = find_bindir()
+    if bindir is None:
+        pytest.skip(why)
+    with Cluster.start(bindir) as cluster:
+        yield cluster
+
+
+_databases = iter(range(1, 10**6))
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster) -> str:
+    """A fresh, empty database of that cluster per test: `postgresql://user:pw@127.0.0.1:PORT/db`."""
+    return postgres_cluster.create_database(f"test_{next(_databases)}")
+
+
 # ---------------------------------------------------------------- no process outlives the suite
 
 LEAK_WAIT_S = 10.0

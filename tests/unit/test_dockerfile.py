@@ -132,7 +132,7 @@ MUTATIONS = [
     ("versions", "Dockerfile", "RUN pip install --no-deps /tmp/wheels",
      "RUN pip install einops==0.8.1 && pip install --no-deps /tmp/wheels", "pinned nowhere"),
     ("versions", "requirements/gpu.txt", "torch==2.14.0", "torch==2.14.1", "pins torch==2.14.1"),
-    ("versions", "requirements/gpu.txt", "psycopg2-binary==", "mlflow==3.17.0\npsycopg2-binary==",
+    ("versions", "requirements/gpu.txt", "vllm==", "mlflow==3.17.0\nvllm==",
      "common.txt pins 3.17.2"),
     ("versions", "requirements/common.txt", "optuna==5.0.0", "optuna==5.0.0\ntorchvision==0.28.0",
      "common.txt pins torchvision"),
