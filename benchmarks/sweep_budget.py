@@ -1,6 +1,6 @@
 """Same budget, side by side: plain Optuna (`study.optimize(objective, timeout=budget)`) against
 `draftlab sweep`, both over experiments/sweep-tiny.yaml's space on the tiny default, both
-running the very same trial process (`python -m draftlab.trial`: draftlab train + evaluate,
+running the very same trial process (`python -m draftlab.sweep.trial`: draftlab train + evaluate,
 started by the sweep's own launcher).
 
 Plain Optuna runs one trial at a time (a trial with train.gpus = 2 takes both slots; running
@@ -50,10 +50,10 @@ def plain_optuna(args, spec, base, tmp: Path, tag: str) -> dict:
     import optuna
     from optuna.storages.journal import JournalFileBackend
 
-    from draftlab.sweep import suggest
-    from draftlab.sweep_budget import TrialSpec
-    from draftlab.sweep_space import trial_params
-    from draftlab.trial import ProcessLauncher
+    from draftlab.sweep.budget import TrialSpec
+    from draftlab.sweep.loop import suggest
+    from draftlab.sweep.space import trial_params
+    from draftlab.sweep.trial import ProcessLauncher
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = tmp / f"plain-{tag}"
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO / "src"))
     from draftlab.params import load_params
-    from draftlab.sweep_space import read_spec
+    from draftlab.sweep.space import read_spec
 
     spec = read_spec(args.space, budget=args.budget)
     base = load_params(REPO / spec.params)

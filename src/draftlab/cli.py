@@ -243,10 +243,10 @@ def sweep(
     out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = Path("runs/sweeps"),
 ) -> None:
     """Optuna over epochs, lr and GPU count inside a wall-clock budget (resumable; workers share it)."""
-    from draftlab.sweep_space import SpaceError, read_spec
+    from draftlab.sweep.space import SpaceError, read_spec
 
     def go():
-        from draftlab import sweep_study
+        from draftlab.sweep import study as sweep_study
 
         spec = read_spec(space, budget=budget, trial_cap=trial_cap, storage=storage, study=study,
                          params=str(params) if params else None)

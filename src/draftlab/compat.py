@@ -27,6 +27,14 @@ the first bad file stops the rank with its name and the repair command
 (:class:`HiddenStateFileError`), instead of a ``SafetensorError`` traceback or silent training
 on altered data.
 
+Four observers reach into speculators' internals, so they live here too, each behind the
+version check: :func:`record_sampler_batches` (what the packing sampler hands each rank per
+epoch, for the sharding check), :func:`metric_flattener` (the trainer's own ``_flatten_dict``
+for its nested metric records), :func:`before_checkpoint` (a hook on
+``Trainer.maybe_save_checkpoint``) and :func:`sampler_class` (the packing sampler, loaded from
+its file alone when speculators is not imported, so ``draftlab plan`` skips the package's
+10–25 s import).
+
 Two more CPU limits are flags, not patches: FlexAttention has no CPU backward
 (``--draft-attn-impl sdpa``) and the fused loss needs Triton
 (``--loss-implementation eager``); :func:`run_trainer` refuses a CPU run without them.
@@ -38,11 +46,16 @@ Run N ranks:    torchrun --nproc-per-node N -m draftlab.train_rank <flags>
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import importlib.util
+import json
 import logging
 import os
+import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 SPECULATORS_VERSION = "0.9.0"
@@ -231,6 +244,95 @@ def steps_under_max_steps(steps_per_epoch: Sequence[int], max_steps: int | None)
     return out
 
 
+# ---------------------------------------------------------------- observers of the trainer's internals
+
+
+def record_sampler_batches(out: Path) -> None:
+    """Append, per epoch, the sample ids speculators' train packing sampler hands this rank to
+    ``out`` (jsonl: epoch, rank, steps, ids): wraps ``MultipackDistributedBatchSamplerV2``'s
+    ``__init__`` (the trainer builds the train loader's sampler first, the val one second) and
+    ``__iter__`` (which draws its batches from ``_generate_batches(self.epoch)``)."""
+    check_speculators_version()
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stock_init, stock_iter = Sampler.__init__, Sampler.__iter__
+    created = []
+
+    def __init__(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        self._draftlab_split = "train" if not created else "val"
+        created.append(self)
+
+    def __iter__(self):
+        batches = self._generate_batches(self.epoch)
+        if self._draftlab_split == "train":
+            ids = [int(i) for b in batches for i in b]
+            with open(out, "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "rank": self.rank, "steps": len(batches), "ids": ids}) + "\n")
+        return stock_iter(self)
+
+    Sampler.__init__, Sampler.__iter__ = __init__, __iter__
+
+
+def metric_flattener() -> Callable[[dict], dict]:
+    """speculators' own flattening of its nested metric records ({"train": {"loss": x}} →
+    {"train/loss": x}), so draftlab's names are the ones its MLflow handler would log."""
+    check_speculators_version()
+    from speculators.train.logger import _flatten_dict
+
+    return _flatten_dict
+
+
+def before_checkpoint(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` before every ``Trainer.maybe_save_checkpoint`` (the trainer's one place
+    that may write a checkpoint, at each epoch's end)."""
+    check_speculators_version()
+    from speculators.train.trainer import Trainer
+
+    stock = Trainer.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, *args, **kwargs):
+        hook()
+        return stock(self, *args, **kwargs)
+
+    Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+
+
+SAMPLER_FILE = ("train", "distributed_batch_sampler.py")  # imports only torch, numpy and the stdlib
+
+
+@functools.cache
+def _standalone_sampler_module():
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("speculators is not installed; `draftlab plan` needs its packing sampler")
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*SAMPLER_FILE)
+    mod_spec = importlib.util.spec_from_file_location("draftlab._speculators_packing", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def sampler_class():
+    """speculators' MultipackDistributedBatchSamplerV2: the imported one if speculators is
+    loaded, else the same file executed alone (skipping the package's 10–25 s import)."""
+    check_speculators_version()
+    loaded = sys.modules.get("speculators.train.distributed_batch_sampler")
+    return (loaded or _standalone_sampler_module()).MultipackDistributedBatchSamplerV2
+
+
+def epoch_batches(lengths: Sequence[int], *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
+    """Global optimizer steps of one epoch = rank 0's batches from the packing sampler (every
+    rank has as many)."""
+    with warnings.catch_warnings():  # its "samples longer than batch_max_length" note: the plan warns itself
+        warnings.simplefilter("ignore", UserWarning)
+        sampler = sampler_class()(batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size,
+                                  rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    return len(sampler)
+
+
 class HiddenStateFileError(RuntimeError):
     """A stored hidden-state file disagrees with the store's manifest; the message names it."""
 
@@ -287,8 +389,6 @@ class VerifiedTransfer:
 
 def verify_hidden_state_reads(store_dir: Path, *, full: bool = True) -> None:
     """Make every ``ArrowDataset`` built from now on read through :class:`VerifiedTransfer`."""
-    import json
-
     from speculators.train import data
 
     check_speculators_version()

@@ -17,7 +17,8 @@ own bin, so rank 0's batch count *is* every rank's (plan_epochs asserts they agr
 per-epoch reshuffle moves the count by < 0.2 % (measured: 6,581 vs 6,583; 4,998 vs 4,991),
 far inside the range spanned by the length distributions. So counts run the sampler once per
 (distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
-file without the package's heavy `__init__`: the same code, a few seconds in all.
+file without the package's heavy `__init__` (draftlab.compat.sampler_class): the same code, a
+few seconds in all.
 
 Why ~500 lines: bytes, steps, wall-clock, warnings and their table are one plan read top to
 bottom. Nothing here imports torch at module level; `plan_table` needs rich (imported inside).
@@ -25,12 +26,8 @@ bottom. Nothing here imports torch at module level; `plan_table` needs rich (imp
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import shutil
-import sys
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -133,33 +130,11 @@ def packing_bounds(trained_tokens: int, num_samples: int, total_seq_len: int, wo
     return min(math.ceil(trained_tokens / (world_size * total_seq_len)), hi), hi
 
 
-@functools.cache
-def _standalone_sampler_module():
-    spec = importlib.util.find_spec("speculators")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("speculators is not installed; `draftlab plan` needs its packing sampler")
-    path = Path(list(spec.submodule_search_locations)[0]) / "train" / "distributed_batch_sampler.py"
-    mod_spec = importlib.util.spec_from_file_location("draftlab._speculators_packing", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
-
-
-def _sampler_class():
-    """speculators' MultipackDistributedBatchSamplerV2: the imported one if speculators is
-    loaded, else the same file executed alone (skipping the package's 10–25 s import)."""
-    loaded = sys.modules.get("speculators.train.distributed_batch_sampler")
-    return (loaded or _standalone_sampler_module()).MultipackDistributedBatchSamplerV2
-
-
 def epoch_steps(lengths, *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
     """Global optimizer steps of one epoch = rank 0's batches (every rank has as many)."""
-    with warnings.catch_warnings():  # its "samples longer than batch_max_length" note: the plan warns itself
-        warnings.simplefilter("ignore", UserWarning)
-        sampler = _sampler_class()(batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size,
-                                   rank=0, seed=seed)
-    sampler.set_epoch(epoch)
-    return len(sampler)
+    from draftlab import compat
+
+    return compat.epoch_batches(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed, epoch=epoch)
 
 
 def plan_from_lengths(lengths: Sequence[int], *, total_seq_len: int, world_size: int, epochs: int,

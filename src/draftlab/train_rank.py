@@ -21,33 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from draftlab import compat
 from draftlab.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
 from draftlab.run_timing import Eta
-
-
-def _record_sampler_batches(run_dir: Path, rank: int) -> None:
-    """Wrap the packing sampler's __iter__ to record what each rank is given, per epoch."""
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
-
-    out = run_dir / "samples" / f"rank{rank}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stock_init, stock_iter = Sampler.__init__, Sampler.__iter__
-    created = []
-
-    def __init__(self, *args, **kwargs):
-        stock_init(self, *args, **kwargs)
-        self._draftlab_split = "train" if not created else "val"  # the train loader is built first
-        created.append(self)
-
-    def __iter__(self):
-        batches = self._generate_batches(self.epoch)
-        if self._draftlab_split == "train":
-            ids = [int(i) for b in batches for i in b]
-            with open(out, "a") as f:
-                f.write(json.dumps({"epoch": self.epoch, "rank": self.rank, "steps": len(batches), "ids": ids}) + "\n")
-        return stock_iter(self)
-
-    Sampler.__init__, Sampler.__iter__ = __init__, __iter__
 
 
 class _Background:
@@ -146,14 +122,13 @@ class MetricsToTracker(logging.Handler):
         self.step_tokens = plan["step_tokens"]  # real (unpadded) tokens of every global step
         self.last_logged = plan.get("last_logged_step", -1)
         self.eta = Eta(plan)  # draftlab.run_timing
+        self.flatten = compat.metric_flattener()
 
     def emit(self, record):  # exceptions propagate on purpose: a NaN must stop training
-        from speculators.train.logger import _flatten_dict
-
         if getattr(record, "hparams", False):
             return
         step = getattr(record, "step", None)
-        flat = _flatten_dict(record.msg)
+        flat = self.flatten(record.msg)
         if "train/loss" in flat:
             self._train(step, flat)
         elif any(k.startswith("val/") for k in flat):
@@ -192,20 +167,6 @@ class MetricsToTracker(logging.Handler):
         self.last_logged = step
 
 
-def _drain_before_checkpoints(background: _Background) -> None:
-    """Every step up to a checkpoint is in the store before the checkpoint exists: a rank killed
-    by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes."""
-    from speculators.train.trainer import Trainer
-
-    stock = Trainer.maybe_save_checkpoint
-
-    def maybe_save_checkpoint(self, *args, **kwargs):
-        background.drain()
-        return stock(self, *args, **kwargs)
-
-    Trainer.maybe_save_checkpoint = maybe_save_checkpoint
-
-
 def main(argv: list[str]) -> None:
     from draftlab import procs
 
@@ -217,7 +178,7 @@ def main(argv: list[str]) -> None:
         procs.record_self(run_dir, f"rank{rank}")
         from draftlab.telemetry import StepProfileRecorder
 
-        _record_sampler_batches(run_dir, rank)
+        compat.record_sampler_batches(run_dir / "samples" / f"rank{rank}.jsonl")
         handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
@@ -227,7 +188,9 @@ def main(argv: list[str]) -> None:
             tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
             metrics = MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"), run_dir)
             handlers.append(CpuTimed(metrics))
-            _drain_before_checkpoints(metrics.tracker)
+            # every step up to a checkpoint is in the store before the checkpoint exists: a rank
+            # killed by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes
+            compat.before_checkpoint(metrics.tracker.drain)
     if "DRAFTLAB_STORE_DIR" in os.environ:
         verify_hidden_state_reads(Path(os.environ["DRAFTLAB_STORE_DIR"]),
                                   full=os.environ.get("DRAFTLAB_VERIFY_READS", "sha256") == "sha256")

@@ -221,3 +221,67 @@ def test_steps_under_max_steps_follows_the_trainer_loop():
     assert steps_under_max_steps([10, 10], 4) == [4, 1]
     assert steps_under_max_steps([10, 9, 8], 20) == [10, 9, 1]
     assert steps_under_max_steps([3, 3], 5) == [3, 2]
+
+
+# ---------------------------------------------------------------- observers of the trainer's internals
+
+
+@pytest.mark.parametrize("call", [
+    lambda tmp: compat.record_sampler_batches(tmp / "rank0.jsonl"),
+    lambda tmp: compat.metric_flattener(),
+    lambda tmp: compat.before_checkpoint(lambda: None),
+    lambda tmp: compat.sampler_class(),
+])  # fmt: skip
+def test_every_observer_refuses_another_speculators_version(monkeypatch, tmp_path, call):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
+    with pytest.raises(RuntimeError, match="written for speculators 0.9.0, but 0.10.0"):
+        call(tmp_path)
+
+
+def test_sampler_recording_sees_what_each_rank_is_given(monkeypatch, tmp_path):
+    import json
+
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
+
+    assert "self._generate_batches(self.epoch)" in inspect.getsource(Sampler.__iter__)
+    stock = Sampler.__init__, Sampler.__iter__
+    monkeypatch.setattr(Sampler, "__init__", stock[0])  # restored after the test
+    monkeypatch.setattr(Sampler, "__iter__", stock[1])
+    lengths = [50 + (i * 37) % 300 for i in range(40)]
+    given = {}
+    for rank in (0, 1):  # each rank is a process of its own: the stock class, then the wrapper
+        Sampler.__init__, Sampler.__iter__ = stock
+        out = tmp_path / f"rank{rank}.jsonl"
+        compat.record_sampler_batches(out)
+        train = Sampler(batch_max_length=512, lengths=lengths, num_replicas=2, rank=rank, seed=3)
+        Sampler(batch_max_length=512, lengths=lengths[:8], num_replicas=2, rank=rank, seed=3)  # the val loader's
+        train.set_epoch(1)
+        given[rank] = [int(i) for batch in train for i in batch]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [(r["epoch"], r["rank"], r["ids"]) for r in records] == [(1, rank, given[rank])]
+    assert not set(given[0]) & set(given[1])
+
+
+def test_metric_flattener_gives_speculators_metric_names():
+    flat = compat.metric_flattener()({"train": {"loss": 2.5, "loss_0": 3.0}, "epoch": 1, "profile": {"step_ms": 9}})
+    assert flat == {"train/loss": 2.5, "train/loss_0": 3.0, "epoch": 1, "profile/step_ms": 9}
+
+
+def test_before_checkpoint_runs_ahead_of_each_checkpoint(monkeypatch):
+    from speculators.train.trainer import Trainer
+
+    assert "self.maybe_save_checkpoint(" in inspect.getsource(Trainer)
+    calls = []
+    monkeypatch.setattr(Trainer, "maybe_save_checkpoint", lambda self, *a, **k: calls.append("save"))
+    compat.before_checkpoint(lambda: calls.append("hook"))
+    Trainer.maybe_save_checkpoint(object())
+    assert calls == ["hook", "save"]
+
+
+def test_standalone_sampler_file_needs_nothing_from_speculators():
+    import ast
+
+    source = inspect.getsource(compat._standalone_sampler_module())
+    imported = {n.module or "" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if m.startswith("speculators")], imported

@@ -52,7 +52,7 @@ SWEEPS = sorted((REPO / "experiments").glob("sweep-*.yaml"))
 @pytest.mark.parametrize("path", SWEEPS, ids=[p.name for p in SWEEPS])
 def test_sweep_spaces_pass_their_own_checks(path):
     """Each sweep space is valid against the params it is meant for (the Kimi one after `draftlab use`)."""
-    from draftlab.sweep_space import check_spec, read_spec
+    from draftlab.sweep.space import check_spec, read_spec
 
     spec = read_spec(path)
     base = yaml.safe_load((REPO / "params.yaml").read_text())

@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from draftlab.params import parse_params
-from draftlab.sweep import Worker
 from draftlab.compat import steps_under_max_steps
-from draftlab.sweep_budget import (STALE_AFTER_S, CostModel, Outcome, Point, point_from_outcome, steps_from_lengths,
-                                   union_s)
-from draftlab.sweep_space import SpaceError, check_spec, parse_duration, read_spec
-from draftlab.sweep_study import open_storage, open_study, pareto_front
+from draftlab.costmodel import CostModel, Point
+from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, steps_from_lengths, union_s
+from draftlab.sweep.loop import Worker
+from draftlab.sweep.report import pareto_front
+from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
+from draftlab.sweep.study import open_storage, open_study
 
 GRACE = 10.0
 POLL = 1.0
@@ -73,7 +74,7 @@ class SimHandle:
             timing = {"steps": sim_steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
                       "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus],
                       "wall_s": self.duration, "stable": self.launcher.settled(self.spec)}
-            value = None if self.spec.role == "calibration" else sim_quality(p)  # as draftlab.trial reports
+            value = None if self.spec.role == "calibration" else sim_quality(p)  # as draftlab.sweep.trial reports
             return Outcome(True, value, self.duration, run_id=f"run{self.spec.number}", timing=timing)
         return None
 
@@ -432,7 +433,7 @@ def test_per_epoch_values_are_indexed_by_epoch_not_global_step():
     must compare trials epoch by epoch, whatever their GPU count's steps per epoch."""
     from types import SimpleNamespace
 
-    from draftlab.trial import epoch_values
+    from draftlab.sweep.trial import epoch_values
 
     history = {"val/full_acc_0_epoch": [(10, 0.5), (5, 0.3)], "val/full_acc_1_epoch": [(5, 0.1), (10, 0.2)],
                "val/loss_epoch": [(5, 3.0), (10, 2.5)]}

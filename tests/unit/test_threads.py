@@ -52,8 +52,8 @@ def test_torch_in_a_started_process_uses_the_share(tmp_path):
 
 def test_sweep_trials_get_their_slots_share_of_the_threads(tmp_path, monkeypatch):
     from draftlab.params import parse_params
-    from draftlab.sweep_budget import TrialSpec
-    from draftlab.trial import ProcessLauncher
+    from draftlab.sweep.budget import TrialSpec
+    from draftlab.sweep.trial import ProcessLauncher
 
     monkeypatch.setenv("OMP_NUM_THREADS", "8")  # the user's budget for this host
 

@@ -1,7 +1,7 @@
 """One sweep trial as a process: `draftlab train` then `draftlab evaluate`, the very stage
 functions, into a nested MLflow run under the sweep's parent run.
 
-    python -m draftlab.trial --params trial-0003/params.yaml --out trial-0003 --parent-run-id <id> \
+    python -m draftlab.sweep.trial --params trial-0003/params.yaml --out trial-0003 --parent-run-id <id> \
         --target models/target --data data/prepared --store data/hidden_states
 
 The sweep starts it in its own session; `ProcessLauncher`/`ProcessHandle` are the sweep's side:
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from draftlab.sweep_budget import Outcome, TrialSpec
+from draftlab.sweep.budget import Outcome, TrialSpec
 from draftlab.util import write_json_atomic
 
 
@@ -57,7 +57,7 @@ def _interrupt(signum, frame):
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m draftlab.trial")
+    ap = argparse.ArgumentParser(prog="python -m draftlab.sweep.trial")
     for name in ("--params", "--out", "--target", "--data", "--store", "--parent-run-id", "--study", "--metric"):
         ap.add_argument(name, required=name not in ("--parent-run-id",))
     ap.add_argument("--trial", type=int, required=True)
@@ -195,7 +195,7 @@ class ProcessHandle:
 
 
 class ProcessLauncher:
-    """Trials as `python -m draftlab.trial` processes, each in its own session."""
+    """Trials as `python -m draftlab.sweep.trial` processes, each in its own session."""
 
     def __init__(self, *, study: str, metric: str, target_dir: Path, data_dir: Path, store_dir: Path,
                  parent_run_id: str | None, gpu_slots: bool, total_slots: int = 1):
@@ -225,7 +225,7 @@ class ProcessLauncher:
         params_path.write_text(yaml.safe_dump(spec.params.model_dump(), sort_keys=False))
         write_json_atomic(spec.trial_dir / "trial.json", {"number": spec.number, "values": spec.values,
                                                           "devices": spec.devices, "role": spec.role})
-        cmd = [sys.executable, "-m", "draftlab.trial", "--params", str(params_path), "--out", str(spec.trial_dir),
+        cmd = [sys.executable, "-m", "draftlab.sweep.trial", "--params", str(params_path), "--out", str(spec.trial_dir),
                "--target", str(self.target_dir), "--data", str(self.data_dir), "--store", str(self.store_dir),
                "--study", self.study, "--metric", self.metric, "--trial", str(spec.number), "--role", spec.role]
         if self.parent_run_id:

@@ -1,32 +1,6 @@
-"""Budget-aware Optuna sweeps over epochs, lr and GPU count (`draftlab sweep SPACE.yaml --budget 24h`).
-
-Where Optuna's `timeout=` only stops *starting* trials, a sweep here never spends time it does
-not have:
-
-  calibrate  one step-limited trial per GPU count (base lr, epochs 2, max_steps 20+) measures
-             start-up, seconds per global step and per epoch boundary (draftlab.costmodel); cached
-             in the study, never told to it as a completed trial; E(n) = T(n) / (n · T(n0)) logged
-  predict    steps from `draftlab.planning` (the sampler `draftlab plan` and `train` use) ×
-             seconds per step + epochs × per-epoch cost + start-up
-  reject     a trial whose prediction × (1 + margin) does not fit the remaining budget (or the
-             per-trial cap) is recorded as rejected, with the reason, before it starts
-  guard      a started trial is stopped at min(cap, remaining budget): SIGTERM to its process
-             groups, SIGKILL after `stop_grace_s`; so the sweep ends within budget + grace
-  prune      per-epoch values feed the study's pruner
-  pack       trials run concurrently on disjoint device slots (CUDA_VISIBLE_DEVICES; CPU slots)
-
-Spent budget is the wall-clock during which at least one worker of the study was alive: each
-worker keeps its own [start, last heartbeat] span in the study's user attributes, and spent is
-the *union* of the spans. A second worker on the same storage therefore shares the budget
-(neither counts the other's time twice), and a kill -9 stops the clock at the last heartbeat;
-the rerun finds the dead worker's RUNNING trials, stops their processes, marks them failed.
-
-Everything that waits or measures time goes through a `Clock`, and trials through a `Launcher`,
-so the budget logic is tested with simulated durations (tests/unit/test_sweep.py); the real
-launcher (draftlab.trial) runs `draftlab train` + `draftlab evaluate` in a process group.
-The cost model and the ledger live in draftlab.sweep_budget, the space file in
-draftlab.sweep_space, storage / parent run / report in draftlab.sweep_study; what stays here
-(~450 lines) is the one loop, whose states (queued, running, stopping, killed) read best together.
+"""One sweep worker (`Worker`) and the loop that drives it (`drive`): calibration queued first,
+then ask → predict → reject or launch → watch (cap, budget, pruner) → tell. The package
+docstring (draftlab.sweep) says what each state means for the budget.
 """
 
 from __future__ import annotations
@@ -39,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from draftlab.costmodel import CostModel, Point
 from draftlab.params import Params
-from draftlab.sweep_budget import (STALE_AFTER_S, Clock, CostModel, Handle, Launcher, Ledger, Outcome, Point,
-                                   SystemClock, TrialSpec, point_from_outcome, steps_from_lengths, union_s)
-from draftlab.sweep_space import SpaceError, SweepSpec, trial_params
+from draftlab.sweep.budget import Clock, Handle, Launcher, Ledger, Outcome, TrialSpec, point_from_outcome
+from draftlab.sweep.space import SweepSpec, trial_params
 
 CALIBRATION_ATTR = "draftlab.calibration"
 PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
@@ -484,6 +458,3 @@ def drive(worker: Worker, poll_s: float = 1.0, on_tick: Callable[[Worker], None]
         raise
     return worker.done_reason or "done"
 
-
-__all__ = ["SpaceError", "Worker", "drive", "CostModel", "Point", "Outcome", "TrialSpec", "union_s",
-           "SystemClock", "STALE_AFTER_S", "steps_from_lengths"]

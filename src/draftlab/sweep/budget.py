@@ -1,7 +1,7 @@
 """What a sweep measures time, trials and budget with: the injectable clock and trial
 interfaces, the calibrated cost model, and the ledger of spent budget shared by all workers of a
-study (see draftlab.sweep for how the loop uses them). The cost model itself is
-draftlab.costmodel, shared with `draftlab plan` and the training ETA.
+study (draftlab.sweep.loop uses them). The cost model itself is draftlab.costmodel, shared with
+`draftlab plan` and the training ETA.
 
 Spent budget is the wall-clock during which at least one worker of the study was alive: each
 worker keeps its own [start, last heartbeat] span in the study's user attributes, and spent is
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from draftlab.costmodel import CostModel, Point, Prediction  # noqa: F401 — the sweep's names
+from draftlab.costmodel import Point
 from draftlab.params import Params
 
 WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
