@@ -1,5 +1,8 @@
-"""Shared fixtures: a tiny target, a prepared dataset and a hidden-state store built once per
-test session with the real stage functions (small sizes, CPU only)."""
+"""Shared by both tiers: the tiny params, one torch thread, the `integration` marker on every test
+under tests/integration/, and the check that no process outlives the run.
+
+`scripts/test.sh -m "not integration"` runs the fast tier (tests/unit: no pipeline, subprocess or
+server); `scripts/test.sh` runs both."""
 
 from __future__ import annotations
 
@@ -26,24 +29,6 @@ def tiny_params(**sections):
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return parse_params(raw)
-
-
-@pytest.fixture(scope="session")
-def params():
-    return tiny_params()
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory, params):
-    """(params, target_dir, data_dir, store_dir) after target → prepare → extract."""
-    from draftlab.stages import extract, prepare, target
-
-    root = tmp_path_factory.mktemp("pipeline")
-    target_dir, data_dir, store_dir = root / "target", root / "prepared", root / "hidden_states"
-    target.run(params, out_dir=target_dir, report_path=root / "target.json")
-    prepare.run(params, target_dir=target_dir, out_dir=data_dir)
-    extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=store_dir)
-    return params, target_dir, data_dir, store_dir
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +69,15 @@ def postgres_url(postgres_cluster) -> str:
 # ---------------------------------------------------------------- no process outlives the suite
 
 LEAK_WAIT_S = 10.0
+
+
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION in Path(item.path).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_configure(config):
@@ -144,6 +138,26 @@ def _reap_zombies() -> None:
             return
         if pid == 0:
             return
+
+
+def _repo_store_state() -> tuple | None:
+    store = REPO / "mlflow.db"
+    return (store.stat().st_size, store.stat().st_mtime_ns) if store.exists() else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_keep_out_of_the_repos_mlflow_store(tmp_path_factory):
+    """Runs that name no store go to one in tmp, never to the user's (a server named by their
+    MLFLOW_TRACKING_URI, or the repo's `mlflow.db`, which must be as it was at the end)."""
+    before, theirs = _repo_store_state(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    yield
+    if theirs is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = theirs
+    if _repo_store_state() != before:
+        pytest.fail(f"a test wrote into {REPO / 'mlflow.db'}", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

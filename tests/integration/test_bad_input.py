@@ -18,7 +18,6 @@ import yaml
 
 from draftlab import store
 
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {  # the session's tiny sizes (tests/conftest.py), one short epoch of training

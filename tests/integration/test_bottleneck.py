@@ -6,9 +6,7 @@ network filesystem would: 0.25 s per sample against a step of tens of millisecon
 
 import os
 
-import pytest
 
-pytestmark = pytest.mark.slow
 
 SLOW_READS = '''
 import time

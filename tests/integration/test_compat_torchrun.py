@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
 NUM_SAMPLES = 33  # odd, so two ranks cannot split it evenly

@@ -10,12 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from draftlab import store
-
-pytestmark = pytest.mark.slow
 
 
 def _files(folder: Path) -> dict[str, bytes]:

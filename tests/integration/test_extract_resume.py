@@ -30,7 +30,6 @@ def _extract(params_path: Path, root: Path, out: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.slow
 def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
     from draftlab.params import load_params
     from draftlab.stages import prepare, target

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
 
 BUDGET_S = 240
 

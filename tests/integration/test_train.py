@@ -9,17 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
-
 
 def _train_params(built, **train):
-    from tests.conftest import tiny_params
-
     params = built[0]
     raw = params.model_dump()
     raw["train"].update({"epochs": 2, "total_seq_len": 128, "draft_vocab_size": 64, "lr": 3e-3, **train})

@@ -3,12 +3,8 @@ before/after arithmetic, the server lifecycle (against a fake server: this host 
 its refusal to run without a GPU or vLLM."""
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -185,87 +181,3 @@ FAKE_VLLM = textwrap.dedent('''
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 ''')
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gone(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
-def test_server_lifecycle_against_a_fake_vllm(tmp_path, speculative):
-    script, child_pid = tmp_path / "fake_vllm.py", tmp_path / "child.pid"
-    script.write_text(FAKE_VLLM)
-    port = _free_port()
-    command = [sys.executable, str(script), str(port), "spec" if speculative else "plain", str(child_pid)]
-    prompts = [[1, 2, 3], [4, 5]]
-    run = serving.benchmark_server(command, port=port, prompts=prompts, max_tokens=16,
-                                   log_path=tmp_path / "vllm.log", speculative=speculative, startup_timeout_s=60)
-    assert run["output_tokens"] == 32 and run["texts"] == ["out-1-2-3", "out-4-5"]
-    assert run["output_tokens_per_s"] == pytest.approx(32 / run["wall_s"])
-    if speculative:  # the warm-up request (8 tokens, 4 drafts) happened before the first scrape
-        assert run["spec"]["num_drafts"] == 16 and run["spec"]["mean_acceptance_length"] == pytest.approx(2.0)
-        assert run["spec"]["acceptance_per_position"] == pytest.approx([1.0, 0.0, 0.0])
-    else:
-        assert run["spec"] is None
-    # the server and its child are stopped, the port is free for the next server
-    assert _gone(int(child_pid.read_text()))
-    assert not serving._port_in_use(port)
-
-
-def test_a_refused_request_fails_clearly_and_stops_the_server(tmp_path):
-    script, child_pid = tmp_path / "fake_vllm.py", tmp_path / "child.pid"
-    script.write_text(FAKE_VLLM)
-    port = _free_port()
-    command = [sys.executable, str(script), str(port), "spec", str(child_pid)]
-    with pytest.raises(serving.ServingError, match="HTTP 400"):
-        serving.benchmark_server(command, port=port, prompts=[[1, 2], []], max_tokens=8,
-                                 log_path=tmp_path / "vllm.log", speculative=True, startup_timeout_s=60)
-    assert _gone(int(child_pid.read_text())) and not serving._port_in_use(port)
-
-
-def test_a_server_that_dies_at_startup_fails_with_its_log(tmp_path):
-    command = [sys.executable, "-c", "import sys; print('ValueError: head_size 8 is not supported'); sys.exit(3)"]
-    with pytest.raises(serving.ServingError, match="exited with code 3.*head_size 8 is not supported"):
-        serving.benchmark_server(command, port=_free_port(), prompts=[[1]], max_tokens=4,
-                                 log_path=tmp_path / "vllm.log", speculative=True, startup_timeout_s=30)
-
-
-def test_a_busy_port_is_refused(tmp_path):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        with pytest.raises(ParamsError, match="already in use"):
-            serving.benchmark_server(["false"], port=busy.getsockname()[1], prompts=[[1]], max_tokens=4,
-                                     log_path=tmp_path / "vllm.log", speculative=False)
-    assert not (tmp_path / "vllm.log").exists()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not os.environ.get("DRAFTLAB_VLLM_TARGET"), reason="needs a GPU host with vLLM and "
-                    "DRAFTLAB_VLLM_TARGET / DRAFTLAB_VLLM_DRAFT (a target and its exported draft)")
-def test_real_vllm_serves_the_exported_draft(tmp_path):
-    metrics = serving.run_benchmark(target=os.environ["DRAFTLAB_VLLM_TARGET"],
-                                    draft_dir=Path(os.environ["DRAFTLAB_VLLM_DRAFT"]),
-                                    prompts=["The capital of France is", "def fibonacci(n):"],
-                                    num_speculative_tokens=3, max_tokens=64, port=_free_port(),
-                                    gpu_memory_utilization=0.8, log_dir=tmp_path)
-    assert metrics["eval/vllm_measured_acc_len"] >= 1.0 and metrics["eval/vllm_output_tokens_per_s"] > 0
-
-
-def test_stop_kills_a_server_group_that_ignores_sigterm():
-    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); print('up', flush=True); time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
-    assert proc.stdout.readline().strip() == b"up"
-    serving._stop(proc, grace_s=0.5)
-    assert proc.returncode == -9 and not serving._group_alive(proc.pid)

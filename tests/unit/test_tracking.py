@@ -1,9 +1,5 @@
 """Tracking: an unreachable server never stops training and loses no record; git tags."""
 
-import subprocess
-
-import pytest
-
 
 def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch):
     import mlflow
@@ -30,24 +26,6 @@ def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch)
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(s, 5.0 - s) for s in range(5)]
     assert client.get_run(run.info.run_id).data.params["world_size"] == "2"
-
-
-def test_git_dirty_ignores_pipeline_outputs(tmp_path):
-    from draftlab.tracking import git_tags
-
-    def git(*a):
-        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "dvc.lock").write_text("a")
-    (tmp_path / "src.py").write_text("a")
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
-    (tmp_path / "dvc.lock").write_text("b")
-    tags = git_tags(tmp_path)
-    assert tags["git.dirty"] == "false" and len(tags["git.commit"]) == 40
-    (tmp_path / "src.py").write_text("b")
-    assert git_tags(tmp_path)["git.dirty"] == "true"
 
 
 def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch):
