@@ -1,20 +1,32 @@
 """A real CPU training run whose data source is slowed flips the verdict to data-bound.
 
 The slowdown is injected from outside draftlab: a `sitecustomize` on the ranks' PYTHONPATH wraps
-speculators' hidden-state reader (`hs_connectors.FileTransfer.get_cached`) with a sleep, as a slow
-network filesystem would: 0.25 s per sample against a step of tens of milliseconds of compute."""
+speculators' hidden-state reader (`hs_connectors.FileTransfer.get_cached`) with a wait, as a slow
+network filesystem would. The wait is 4x the typical time the rank spends between reads (its
+compute), measured as it goes, so reading dominates every step on a fast host and on a loaded one
+alike; the verdict's threshold is 15 %."""
 
 import os
 
-
-
 SLOW_READS = '''
+import statistics
 import time
+
 import hs_connectors.transfer as t
-_stock = t.FileTransfer.get_cached
+
+_stock, _gaps, _end = t.FileTransfer.get_cached, [], [None]
+
+
 def get_cached(self, file_idx):
-    time.sleep(0.25)
-    return _stock(self, file_idx)
+    if _end[0] is not None and (gap := time.perf_counter() - _end[0]) > 1e-3:  # not the next sample of a batch
+        _gaps[:] = (_gaps + [gap])[-5:]
+    time.sleep(max(0.05, 4 * statistics.median(_gaps or [0.0])))
+    try:
+        return _stock(self, file_idx)
+    finally:
+        _end[0] = time.perf_counter()
+
+
 t.FileTransfer.get_cached = get_cached
 '''
 
@@ -29,7 +41,8 @@ def test_slow_data_source_is_called_data_bound(built, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     params, target_dir, data_dir, store_dir = built
     raw = params.model_dump()
-    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64})
+    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64,
+                         "num_workers": 0})  # reads in the rank, where the wait measures the compute
     p = parse_params(raw)
 
     def verdict(out):

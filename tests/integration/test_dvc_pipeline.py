@@ -52,7 +52,6 @@ def _du_bytes(root: Path, *paths: str) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines()]
 
 
-@pytest.mark.slow
 def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     root, env = repo_copy
     out = _run(["dvc", "repro", "extract"], root, env)

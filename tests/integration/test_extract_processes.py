@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from draftlab import store
+from tests.integration.pause import paused_after, wait_paused
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -40,17 +41,13 @@ def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
 
     params, target_dir, data_dir, store_dir = built
     raw = params.model_dump()
-    raw["extract"].update({"processes": 2, "batch_tokens": 192})  # more batches: time to kill
+    raw["extract"].update({"processes": 2, "batch_tokens": 192})  # more batches than the pause leaves done
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     cmd = [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(tmp_path / "params.yaml"),
            "--target", str(target_dir), "--data", str(data_dir), "--out", str(tmp_path / "dp")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    journal = store.work_dir(tmp_path / "dp") / store.JOURNAL  # extraction writes the work folder
-    deadline = time.monotonic() + 120
-    while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, f"extract ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    env, paused = paused_after(tmp_path, 2)  # the launcher stops after journaling 2 batches of many
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    wait_paused(proc, paused)
     ranks = [pid for pid, cmdline in descendants(proc.pid).items() if "draftlab.extract_ranks" in cmdline]
     assert len(ranks) == 2
     os.kill(proc.pid, signal.SIGKILL)
@@ -62,7 +59,7 @@ def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
     rerun = subprocess.run(cmd, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     done = re.search(r"(\d+)/(\d+) batches already done", " ".join((rerun.stdout + rerun.stderr).split()))
-    assert done and 0 < int(done[1]) < int(done[2]), "the rerun resumed the killed run's batches"
+    assert done and int(done[1]) == 2 < int(done[2]), "the rerun resumed the killed run's batches"
     manifest = store.read_manifest(tmp_path / "dp")
     assert manifest["num_files"] == store.read_manifest(store_dir)["num_files"]
     assert store.verify(tmp_path / "dp") == [], "every file whole and as the manifest says"

@@ -5,16 +5,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from draftlab import store
+from tests.integration.pause import paused_after, wait_paused
 
 RAW = {
-    # A random-init target wide enough that extraction lasts a few seconds.
+    # A random-init target; 300 samples in batches of 256 tokens: far more batches than the 4 done before the kill.
     "target": {"tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
                         "num_kv_heads": 2, "pretrain_steps": 0}},
     "prepare": {"num_samples": 300, "max_seq_len": 128, "regenerate": False},
@@ -22,11 +21,11 @@ RAW = {
 }
 
 
-def _extract(params_path: Path, root: Path, out: str) -> subprocess.Popen:
+def _extract(params_path: Path, root: Path, out: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(params_path),
          "--target", str(root / "target"), "--data", str(root / "prepared"), "--out", str(root / out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )
 
 
@@ -40,17 +39,12 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
     target.run(params, out_dir=tmp_path / "target", report_path=tmp_path / "target.json")
     prepare.run(params, target_dir=tmp_path / "target", out_dir=tmp_path / "prepared")
 
-    # Interrupted run: wait until some batches are journaled, then SIGKILL.
-    proc = _extract(params_path, tmp_path, "killed")
+    # Interrupted run: stopped right after its 4th journaled batch (of many more), then SIGKILL.
+    env, paused = paused_after(tmp_path, 4)
+    proc = _extract(params_path, tmp_path, "killed", env)
     work = store.work_dir(tmp_path / "killed")  # where an unfinished store lives (outside DVC's output)
     journal = work / store.JOURNAL
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 4:
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"extract ended before it could be killed: {proc.stderr.read()}")
-        time.sleep(0.005)
+    wait_paused(proc, paused)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed").exists() and not (work / store.MANIFEST).exists(), \
@@ -70,6 +64,6 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
     assert killed_files == fresh_files
     for name in fresh_files:
         assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
-    assert done_before >= 3
+    assert done_before == 4
     assert store.verify(tmp_path / "killed") == []
     assert not list((tmp_path / "killed").glob(".hs_*.tmp-*")) and not list(work.glob(".hs_*.tmp-*"))

@@ -1,0 +1,169 @@
+"""train's pure helpers: the trainer's argv (read back by speculators' own TrainConfig), the
+store's layer ids against the draft config, the torchrun command line, the rank's metric
+handler (steps logged before a resume skipped, a NaN loss stops training), and the clean-up
+of a killed launcher's leftovers. No process is started."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from draftlab import procs
+from draftlab.params import ParamsError
+from draftlab.stages import train
+from draftlab.train_rank import MetricsToTracker
+from tests.conftest import tiny_params
+
+
+def _argv(params, tmp_path, device="cpu"):
+    return train.speculators_argv(
+        params, verifier="v", data_dir=tmp_path / "data", store_dir=tmp_path / "hs", out_dir=tmp_path / "run",
+        layer_ids=[2, 4, 5], total_steps=17, d2t=tmp_path / "d2t.npy", t2d=tmp_path / "t2d.npy", device=device)
+
+
+def test_speculators_reads_back_what_the_params_say(tmp_path):
+    from speculators.train.config import TrainConfig
+
+    params = tiny_params(train={"epochs": 3, "lr": 2e-3, "total_seq_len": 128, "max_steps": 9, "sharding": "fsdp",
+                                "extra_args": ["--log-freq", "5"]})
+    cfg = TrainConfig.resolve(_argv(params, tmp_path))
+    assert cfg.trainer.epochs == 3 and cfg.trainer.max_steps == 9 and cfg.trainer.fsdp_shard
+    assert cfg.optimizer.lr == params.train.resolved_lr() and cfg.optimizer.optimizer == params.train.optimizer
+    assert cfg.scheduler.scheduler_total_steps == 17, "the exact total from the accounting, not the trainer's guess"
+    assert cfg.data.total_seq_len == 128 and cfg.data.hidden_states_backend == "file"
+    assert cfg.draft.target_layer_ids == [2, 4, 5]
+    assert cfg.trainer.save_path == str(tmp_path / "run" / "checkpoints")
+    assert cfg.trainer.log_freq == 5, "extra_args reach the trainer, last so they win"
+    assert (cfg.draft.draft_attn_impl, cfg.loss.loss_implementation) == ("sdpa", "eager"), "what CPU can run"
+
+
+def test_on_a_gpu_the_trainers_own_kernels_stay_and_no_cut_without_max_steps(tmp_path):
+    from speculators.train.config import TrainConfig
+
+    cfg = TrainConfig.resolve(_argv(tiny_params(train={"max_steps": None}), tmp_path, device="cuda"))
+    assert cfg.loss.loss_implementation == "fused" and cfg.trainer.max_steps is None and not cfg.trainer.fsdp_shard
+
+
+def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
+    manifest = {"layer_ids": [2, 4, 5]}
+    assert train.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
+    same = tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
+    assert train.check_layer_ids(same, manifest) == [2, 4, 5]
+    other = tiny_params(train={"extra_args": ["--target-layer-ids", "1", "4", "5", "--seed", "3"]})
+    with pytest.raises(ParamsError, match=r"^train.extra_args: --target-layer-ids \[1, 4, 5\] disagrees .*"
+                                          r"\[2, 4, 5\] \(store/manifest.json\)"):
+        train.check_layer_ids(other, manifest, Path("store"))
+
+
+def test_torchrun_is_standalone_on_one_node_and_rendezvous_across_nodes():
+    one = train.torchrun_cmd(tiny_params(train={"gpus": 2}), ["--epochs", "1"])
+    assert one[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert one[one.index("--nproc-per-node") + 1] == "2" and "--standalone" in one and "--rdzv-endpoint" not in one
+    assert one[-4:] == ["-m", "draftlab.train_rank", "--epochs", "1"]
+    two = train.torchrun_cmd(tiny_params(train={"gpus": 8, "nnodes": 2, "node_rank": 1,
+                                                "rdzv_endpoint": "head:29400"}), [])
+    assert "--standalone" not in two
+    assert [two[two.index(k) + 1] for k in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint")] == \
+        ["2", "1", "c10d", "head:29400"]
+
+
+# ---------------------------------------------------------------- the rank's metric handler
+
+
+class Recorded:
+    """A Tracker that keeps what it is given."""
+
+    def __init__(self):
+        self.metrics: list[tuple[int | None, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+
+def _record(msg: dict, step: int) -> logging.LogRecord:
+    record = logging.LogRecord("speculators.metrics", logging.INFO, __file__, 0, msg, None, None)
+    record.step = step
+    return record
+
+
+def _train_msg(loss: float, epoch: int = 0) -> dict:
+    return {"train": {"loss": loss, "loss_0": loss}, "epoch": epoch, "lr": 1e-3,
+            "profile": {"step_ms": 50.0, "fetch_frac": 0.25}}
+
+
+@pytest.fixture
+def handler(tmp_path):
+    tracker = Recorded()
+    plan = {"total_steps": 6, "step_tokens": [100] * 6, "epoch_steps": [3, 3], "last_logged_step": 2}
+    h = MetricsToTracker(tracker, plan, "AdamW", tmp_path)
+    yield h, tracker
+    h.tracker.close()
+
+
+def test_steps_logged_before_a_resume_are_not_logged_again(handler):
+    h, tracker = handler
+    for step in range(6):  # a resume from the checkpoint after step 1 redoes step 2
+        h.emit(_record(_train_msg(3.0 - 0.1 * step, epoch=step // 3), step))
+    h.emit(_record({"val": {"loss_epoch": 2.5}, "epoch": 1}, 5))
+    h.tracker.close()
+    train_steps = [step for step, m in tracker.metrics if "train/loss" in m]
+    assert train_steps == [3, 4, 5]
+    at3 = next(m for step, m in tracker.metrics if step == 3)
+    assert at3["train/loss"] == pytest.approx(2.7) and at3["lr/AdamW"] == 1e-3 and at3["epoch"] == 1
+    assert at3["perf/steps_per_s"] == pytest.approx(20.0) and at3["perf/tokens_per_s"] == pytest.approx(2000.0)
+    assert at3["perf/data_wait_frac"] == 0.25
+    assert (5, {"val/loss_epoch": 2.5}) in tracker.metrics
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf])
+def test_a_non_finite_loss_stops_training_and_says_where(handler, tmp_path, loss):
+    h, tracker = handler
+    with pytest.raises(FloatingPointError, match=rf"train/loss is {loss} at global step 4 \(epoch 1\)"):
+        h.emit(_record(_train_msg(loss, epoch=1), 4))
+    failure = json.loads((tmp_path / "failure.json").read_text())
+    assert failure["reason"] == "non-finite loss" and "global step 4" in failure["message"]
+    h.tracker.close()
+    assert not any(step == 4 for step, _ in tracker.metrics)
+
+
+# ---------------------------------------------------------------- a killed launcher's leftovers
+
+
+def _dead_group() -> int:
+    return next(n for n in range(4_000_000, 4_194_304) if not procs.group_alive(n))
+
+
+def _console():
+    out = io.StringIO()
+    return Console(file=out, width=200), out
+
+
+def test_a_dead_runs_process_group_record_is_cleared(tmp_path):
+    (tmp_path / "launch.json").write_text(json.dumps({"pgid": _dead_group()}))
+    console, out = _console()
+    train.stop_orphans(tmp_path, console)
+    assert not (tmp_path / "launch.json").exists() and out.getvalue() == ""
+
+
+def test_a_reused_pid_is_not_taken_for_a_rank(tmp_path):
+    path = procs.record_self(tmp_path, "rank0")  # this process, recorded with another start time:
+    rec = json.loads(path.read_text())  # the pid of a rank that died, now someone else's
+    path.write_text(json.dumps({**rec, "start": rec["start"] + 1}))
+    console, out = _console()
+    train.stop_orphans(tmp_path, console)  # would SIGKILL this test if it took the pid for the rank
+    assert "orphaned" not in out.getvalue()
+
+
+def test_a_live_launcher_is_left_alone(tmp_path):
+    (tmp_path / "launch.json").write_text(json.dumps({"pgid": _dead_group()}))
+    console, out = _console()
+    with train.exclusive(tmp_path):  # what a running `draftlab train` holds
+        train.stop_orphans(tmp_path, console)
+    assert (tmp_path / "launch.json").exists() and out.getvalue() == ""
