@@ -47,7 +47,10 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump({
         "study": "it", "params": "params.yaml", "budget": BUDGET_S, "devices": 2, "stop_grace_s": 5,
-        "pruner": {"kind": "none"}, "calibration": {"steps": 20, "max_s": 150},
+        "pruner": {"kind": "none"},
+        # one calibration of 20 steps, never redone for an unsettled step time, never cut by its cap:
+        # trial 0 is the calibration and the next ones are search trials, however loaded this host is
+        "calibration": {"steps": 20, "max_steps": 20, "max_s": 1200},
         # one GPU count: two trials share the two slots, so two processes write the sqlite store at once
         "space": {"train.epochs": {"low": 1, "high": 2}, "train.lr": {"low": 1e-3, "high": 1e-2, "log": True},
                   "train.gpus": {"choices": [1]}}}))
