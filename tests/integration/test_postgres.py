@@ -1,5 +1,5 @@
 """The throwaway PostgreSQL server the multi-host tests use (tests/postgres.py): a real server
-reached by `postgresql://` URL with psycopg2, one database per test, nothing left running."""
+reached by `postgresql://` URL, one database per test, nothing left running."""
 
 import pytest
 
@@ -7,20 +7,24 @@ pytestmark = pytest.mark.slow
 
 
 def test_each_test_gets_its_own_database_reachable_by_url(postgres_url, postgres_cluster):
-    import psycopg2
+    """A plain `postgresql://` URL, as in compose.yaml and `draftlab sweep --storage`, through
+    SQLAlchemy (what MLflow and Optuna open it with: SQLAlchemy 2.1 picks psycopg 3 for it), and
+    `postgresql+psycopg2://`."""
+    import sqlalchemy as sa
 
     other = postgres_cluster.create_database("other_db")
-    with psycopg2.connect(postgres_url) as conn, conn.cursor() as cur:
-        cur.execute("CREATE TABLE t (x int)")
-        cur.execute("INSERT INTO t VALUES (42)")
-    with psycopg2.connect(postgres_url) as conn, conn.cursor() as cur:
-        cur.execute("SELECT x FROM t")
-        assert cur.fetchall() == [(42,)]
-    with psycopg2.connect(other) as conn, conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_tables WHERE tablename = 't'")
-        assert cur.fetchone() == (0,), "a new database is empty"
-    with pytest.raises(psycopg2.OperationalError, match="password"):
-        psycopg2.connect(postgres_url.replace(":draftlab-test@", ":wrong@")).close()
+    engine = sa.create_engine(postgres_url)
+    assert engine.dialect.driver == "psycopg"
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE t (x int)"))
+        conn.execute(sa.text("INSERT INTO t VALUES (42)"))
+    with sa.create_engine(postgres_url.replace("postgresql://", "postgresql+psycopg2://")).connect() as conn:
+        assert conn.execute(sa.text("SELECT x FROM t")).all() == [(42,)]
+    with sa.create_engine(other).connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM pg_tables WHERE tablename = 't'")).scalar() == 0, \
+            "a new database is empty"
+    with pytest.raises(sa.exc.OperationalError, match="password"):
+        sa.create_engine(postgres_url.replace(":draftlab-test@", ":wrong@")).connect()
 
 
 def test_stop_leaves_no_server_process_and_no_folder():
