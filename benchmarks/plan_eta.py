@@ -104,8 +104,10 @@ def train(args, tmp: Path, env: dict, name: str, params: Path) -> dict:
     wall, end = timed(draftlab("train", "--params", str(params), "--target", str(args.target), "--data",
                                str(args.data), "--store", str(args.store), "--out", str(out)),
                       cwd=tmp, env=env, log=tmp / f"{name}.log")
-    return {"wall_s": wall, "end": end, "run_id": json.loads((out / "run.json").read_text())["run_id"],
-            "total_steps": json.loads((out / "train.json").read_text())["total_steps"]}
+    from draftlab.rundir import RunDir
+
+    return {"wall_s": wall, "end": end, "run_id": RunDir(out).run.read().run_id,
+            "total_steps": RunDir(out).train.read().total_steps}
 
 
 def plan(args, tmp: Path, env: dict, params: Path, gpus: int, i: int) -> dict:

@@ -191,11 +191,13 @@ def run_full(params_path: Path, args, out: Path, env: dict, log: Path) -> dict:
     if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-6:])
         raise SystemExit(f"draftlab train failed (exit {rc}); see {log}:\n{tail}")
-    rank_argv = json.loads((out / "command.json").read_text())["cmd"]
+    from draftlab.rundir import RunDir
+
+    rank_argv = RunDir(out).command.read().cmd
     rank_argv = rank_argv[rank_argv.index("draftlab.train_rank") + 1:]
     return {"started": started, "ended": ended, "records": read_profile(out / "profile" / "rank0.jsonl"),
-            "argv": rank_argv, "run_id": json.loads((out / "run.json").read_text())["run_id"],
-            "harness_cpu": json.loads((out / "train.json").read_text()).get("harness_cpu")}
+            "argv": rank_argv, "run_id": RunDir(out).run.read().run_id,
+            "harness_cpu": RunDir(out).train.read().harness_cpu}
 
 
 def read_profile(path: Path) -> list[dict]:

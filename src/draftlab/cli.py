@@ -43,11 +43,17 @@ def _load(params_path: Path):
 
 def _guard(fn):
     """Turn user errors raised inside a stage into one line and exit code 2."""
+    from draftlab.errors import UserError
     from draftlab.params import ParamsError
     from draftlab.stages.prepare import RecordError
 
     try:
         return fn()
+    except UserError as err:
+        from draftlab.console import console
+
+        console.print(f"[red]error[/]: {err}", soft_wrap=True)
+        raise typer.Exit(err.exit_code) from None
     except (ParamsError, RecordError, FileNotFoundError) as err:
         _fail(str(err))
     except RuntimeError as err:
@@ -211,7 +217,9 @@ def plan(
     lengths, n_samples, n_tokens, h = _guard(inputs)
     scenario = pl.Scenario.from_params(p, num_samples=n_samples, num_tokens=n_tokens, hidden_size=h)
     points, _note = plan_inputs.measured_points(p, store)
-    existing = _json.loads((store / "manifest.json").read_text())["total_bytes"] if (store / "manifest.json").exists() else 0
+    from draftlab import store as st
+
+    existing = _guard(lambda: st.read_manifest(store).total_bytes) if st.has_manifest(store) else 0
     disk_dir = store if store.exists() else Path(".")
     result = pl.make_plan(
         scenario, lengths=lengths, gpu_counts=counts, points=points,
@@ -277,7 +285,7 @@ def verify(
 
         # No manifest yet (first run, or a killed extraction): nothing to disagree with; extract
         # runs anyway because its manifest is missing.
-        found = st.verify(store, changed_only=True) if (store / st.MANIFEST).exists() else []
+        found = st.verify(store, changed_only=True) if st.has_manifest(store) else []
         write_json_atomic(report, {"store": str(store), "problems": found})
         for line in found:
             console.print(f"[yellow]verify[/]: {line}", soft_wrap=True)

@@ -362,7 +362,7 @@ class VerifiedTransfer:
         path = self.store_dir / store.file_name(file_idx)
         rec = self.records.get(file_idx)
         if rec is None:
-            raise HiddenStateFileError(f"{path}: not in {self.store_dir / store.MANIFEST}; {store.REPAIR}")
+            raise HiddenStateFileError(f"{path}: not in {store.manifest_path(self.store_dir)}; {store.REPAIR}")
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -394,8 +394,7 @@ def verify_hidden_state_reads(store_dir: Path, *, full: bool = True) -> None:
     check_speculators_version()
     from draftlab import store
 
-    manifest = json.loads((Path(store_dir) / store.MANIFEST).read_text())
-    records = {int(rec["index"]): rec for rec in manifest["files"]}
+    records = {f.index: f.model_dump() for f in store.read_manifest(store_dir).files}
     stock_init = data.ArrowDataset.__init__
     if getattr(stock_init, "_draftlab_verified", False):
         return

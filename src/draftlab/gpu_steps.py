@@ -5,11 +5,12 @@ fallback cannot pass."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
+from draftlab import store
 from draftlab.gpu_check import EXTRACT_TOLERANCE
+from draftlab.rundir import RunDir
 
 # speculators' GPU defaults failed to compile → the same run with these, the reason tagged
 EAGER = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
@@ -73,8 +74,8 @@ def pipeline(work: Path) -> dict:
     ev = evaluate.run(params, target_dir=p["target"], data_dir=p["prepared"], store_dir=p["hidden_states"],
                       train_dir=tr["dir"], out_dir=p["reports"], tracker=MlflowTracker(tr["run_id"]))
     export.run(params, target_dir=p["target"], train_dir=tr["dir"], store_dir=p["hidden_states"], out_dir=p["draft"])
-    manifest = json.loads((p["hidden_states"] / "manifest.json").read_text())
-    assert manifest["compute"]["device"] == "cuda", manifest["compute"]
+    manifest = store.read_manifest(p["hidden_states"])
+    assert manifest.compute["device"] == "cuda", manifest.compute
     figures = {"extract_tok_s": round(ex.tokens_per_s), **tr["figures"],
                "simulated_acc_len": ev.metrics["eval/simulated_acc_len"],
                "measured_acc_len": ev.metrics["eval/measured_acc_len"], "wall_s": round(time.perf_counter() - started)}
@@ -88,7 +89,7 @@ def extract_vs_cpu(work: Path) -> dict:
     from draftlab.stages import extract
 
     p = _paths(work)
-    if not (p["hidden_states"] / "manifest.json").exists():
+    if not store.has_manifest(p["hidden_states"]):
         return {"status": "skip", "reason": "the pipeline step did not finish"}
     extract.run(_params(extract={"device": "cpu"}), target_dir=p["target"], data_dir=p["prepared"], out_dir=work / "hidden_states_cpu")
     worst = peak = 0.0
@@ -109,7 +110,7 @@ def two_ranks(work: Path, sharding: str) -> dict:
     if torch.cuda.device_count() < 2:
         return {"status": "skip", "reason": f"2 ranks need 2 GPUs; {torch.cuda.device_count()} visible"}
     p = _paths(work)
-    if not (p["hidden_states"] / "manifest.json").exists():
+    if not store.has_manifest(p["hidden_states"]):
         return {"status": "skip", "reason": "the pipeline step did not finish"}
     tr = _train(_params(train={"gpus": 2, "sharding": sharding}), p, work / f"train-{sharding}")
     return {"status": "pass", "reason": tr["reason"], "figures": tr["figures"]}
@@ -123,7 +124,7 @@ def vllm(work: Path) -> dict:
     if importlib.util.find_spec("vllm") is None:
         return {"status": "skip", "reason": "vllm is not installed here"}
     p = _paths(work)
-    train_dir = next((d for d in (p["train"], p["train"].with_name("train-eager")) if (d / "train.json").exists()), None)
+    train_dir = next((d for d in (p["train"], p["train"].with_name("train-eager")) if RunDir(d).train.exists()), None)
     if train_dir is None:
         return {"status": "skip", "reason": "the pipeline step did not finish"}
     ev = evaluate.run(_params(evaluate={"backend": "vllm", "num_prompts": 8}), target_dir=p["target"],

@@ -66,25 +66,25 @@ def hidden_size(params: Params, target_dir: Path, store_dir: Path, flag: int | N
     config, where = target_config(params, target_dir)
     if config is not None and (h := _config_hidden_size(config)):
         return h, where
-    manifest = store_dir / "manifest.json"
-    if manifest.is_file():
-        target = json.loads(manifest.read_text()).get("target", {})
-        if target.get("source") == params.target.source and target.get("path") == params.target.path:
-            return int(target["hidden_size"]), str(manifest)
+    from draftlab import store
+
+    if store.has_manifest(store_dir):
+        target = store.read_manifest(store_dir).target
+        if target.source == params.target.source and target.path == params.target.path:
+            return target.hidden_size, str(store.manifest_path(store_dir))
     raise ParamsError(f"--hidden-size: the target's config.json is not here ({where}); pass --hidden-size "
                       "(e.g. 7168 for Kimi-K2.5) or download its config.json")
 
 
 def store_hash(params: Params, store_dir: Path) -> str | None:
     """The store's manifest hash when it belongs to this target (then runs must match it)."""
-    manifest = store_dir / "manifest.json"
-    if not manifest.is_file():
-        return None
-    target = json.loads(manifest.read_text()).get("target", {})
-    if target.get("path") != params.target.path or target.get("source") != params.target.source:
-        return None
     from draftlab import store
 
+    if not store.has_manifest(store_dir):
+        return None
+    target = store.read_manifest(store_dir).target
+    if target.path != params.target.path or target.source != params.target.source:
+        return None
     return store.manifest_hash(store_dir)
 
 

@@ -1,5 +1,5 @@
 """What a training's time is made of, for the cost model (draftlab.costmodel) and the ETA:
-the launcher's side (timing/* of a finished run, the ETA's inputs in plan.json) and the rank's
+the launcher's side (timing/* of a finished run, the ETA's inputs in the rank plan) and the rank's
 (`Eta`, updated at every step by draftlab.train_rank). Nothing here imports torch.
 """
 
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from draftlab.params import Params
+from draftlab.rundir import RankPlan, RunDir, Timing
 
 
 def val_steps(params: Params, data_dir: Path) -> int:
@@ -57,7 +58,6 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ende
     """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
     `draftlab plan` and the sweep read back as a cost-model point)."""
     from draftlab import costmodel, telemetry
-    from draftlab.util import write_json_atomic
 
     ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
     per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
@@ -66,7 +66,7 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ende
         timing["startup_s"] = min(ends.values()) - started_at
         timing["tail_s"] = ended_at - max(ends.values())
     tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
-    write_json_atomic(out_dir / "timing.json", timing)
+    RunDir(out_dir).timing.write(Timing(timing))
     return timing
 
 
@@ -74,8 +74,8 @@ def harness_cpu(out_dir: Path, launcher_cpu_s: float, steps: int) -> dict:
     """CPU seconds draftlab itself spent per training step: the launcher process while the ranks
     ran (telemetry sampler, MLflow system metrics, waiting) plus rank 0's observers (step
     records, metric handler, its tracking thread). Unlike tokens/s ratios it holds under load."""
-    done = out_dir / "rank0-done.json"
-    rank = json.loads(done.read_text()).get("harness_cpu_s", {}) if done.exists() else {}
+    done = RunDir(out_dir).rank_done.read_or_none()
+    rank = done.harness_cpu_s if done is not None else {}
     total = launcher_cpu_s + sum(rank.values())
     return {"launcher_s": launcher_cpu_s, "rank0": rank, "total_s": total, "per_step_s": total / max(steps, 1)}
 
@@ -87,7 +87,7 @@ class Eta:
 
     s/step is the typical (outlier-free mean) of the last RECENT intervals between step ends (so
     it follows a rate that changes under load); s/epoch the median excess of the boundaries seen so far, before
-    the first one a matching MLflow run's (plan.json `epoch_s_prior`), else the validation pass
+    the first one a matching MLflow run's (RankPlan.epoch_s_prior), else the validation pass
     at ~1/3 of a training step per batch (forward only); the tail (after the last step) is a
     matching run's (`tail_s_prior`), else one boundary. The 10–90 % range scales `left` by the
     10th and 90th percentiles of the last WIDE intervals over their median."""
@@ -95,13 +95,13 @@ class Eta:
     RECENT, WIDE = 20, 200
     FORWARD_FRACTION = 1 / 3
 
-    def __init__(self, plan: dict):
-        self.total = plan["total_steps"]
-        per_epoch = plan.get("epoch_steps") or [self.total]
+    def __init__(self, plan: RankPlan):
+        self.total = plan.total_steps
+        per_epoch = plan.epoch_steps or [self.total]
         self.ends = [sum(per_epoch[: i + 1]) - 1 for i in range(len(per_epoch))]
-        self.val_steps = plan.get("val_steps") or 0
-        self.epoch_prior = plan.get("epoch_s_prior")
-        self.tail_prior = plan.get("tail_s_prior")
+        self.val_steps = plan.val_steps
+        self.epoch_prior = plan.epoch_s_prior
+        self.tail_prior = plan.tail_s_prior
         self.last: tuple[int, float] | None = None
         self.intervals: list[float] = []
         self.boundaries: list[float] = []

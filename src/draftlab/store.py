@@ -24,10 +24,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftlab.rundir import Manifest, StoreDir
 from draftlab.util import sha256_file, write_bytes_atomic
 
-MANIFEST = "manifest.json"
-JOURNAL = ".journal.jsonl"
 FP8 = "float8_e4m3fn"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
 TOKEN_ID_BYTES = 8  # token_ids are int64
@@ -108,7 +107,7 @@ class Journal:
 
     @classmethod
     def open(cls, store_dir: Path, key: str) -> Journal:
-        path = store_dir / JOURNAL
+        path = StoreDir(store_dir).journal_path
         done: dict[int, dict] = {}
         if path.exists():
             lines = path.read_text().splitlines()
@@ -163,15 +162,20 @@ class StaleStoreError(RuntimeError):
         self.old_key = old_key
 
 
-def read_manifest(store_dir: Path) -> dict:
-    path = Path(store_dir) / MANIFEST
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no manifest; run `draftlab extract` (or `dvc repro extract`)")
-    return json.loads(path.read_text())
+def read_manifest(store_dir: Path) -> Manifest:
+    return StoreDir(store_dir).manifest.read()
+
+
+def has_manifest(store_dir: Path) -> bool:
+    return StoreDir(store_dir).manifest.exists()
+
+
+def manifest_path(store_dir: Path) -> Path:
+    return StoreDir(store_dir).manifest.path
 
 
 def manifest_hash(store_dir: Path) -> str:
-    return sha256_file(Path(store_dir) / MANIFEST)
+    return sha256_file(manifest_path(store_dir))
 
 
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on a header's length
@@ -226,7 +230,7 @@ def file_problem(path: Path, rec: dict, *, full: bool, trust_stat: bool = False)
 
 def journal_stamps(store_dir: Path) -> dict[str, int]:
     """mtime_ns of each file as its writer recorded it in the journal (empty without one)."""
-    path = Path(store_dir) / JOURNAL
+    path = StoreDir(store_dir).journal_path
     stamps: dict[str, int] = {}
     if path.exists():
         for line in path.read_text().splitlines()[1:]:
@@ -244,12 +248,13 @@ def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False) ->
     (the cheap check `dvc repro` runs before extract)."""
     store_dir = Path(store_dir)
     manifest = read_manifest(store_dir)
-    want_dtype = manifest.get("dtype")
+    want_dtype = manifest.dtype
     stamps = journal_stamps(store_dir) if changed_only else {}
     problems = []
-    for rec in manifest["files"]:
-        path = store_dir / rec["name"]
-        stamped = {**rec, "mtime_ns": stamps[rec["name"]]} if rec["name"] in stamps else rec
+    for f in manifest.files:
+        rec = f.model_dump()
+        path = store_dir / f.name
+        stamped = {**rec, "mtime_ns": stamps[f.name]} if f.name in stamps else rec
         problem = file_problem(path, stamped, full=full, trust_stat=changed_only)
         if not problem and want_dtype and (got := _header_dtype(path)) != want_dtype:
             problem = f"holds {got} hidden states, the manifest says dtype {want_dtype}"

@@ -205,10 +205,9 @@ def git_tags(root: Path = Path(".")) -> dict[str, str]:
 
 def run_id_of(train_dir: Path) -> str:
     """The training run id the train stage wrote into its outputs (evaluate/export log there)."""
-    path = Path(train_dir) / "train.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no finished training here; run `dvc repro train`")
-    return json.loads(path.read_text())["run_id"]
+    from draftlab.rundir import RunDir
+
+    return RunDir(train_dir).train.read().run_id
 
 
 @contextlib.contextmanager

@@ -1,11 +1,12 @@
 """One training rank: speculators' trainer (patched for this machine's device by
-`draftlab.compat`) plus draftlab's observers, configured by the launcher through env vars.
+`draftlab.compat`) plus draftlab's observers, configured by the launcher: `DRAFTLAB_RUN_DIR` names the run folder,
+whose rank plan (draftlab.rundir.RankPlan) says the rest.
 
     torchrun --nproc-per-node N -m draftlab.train_rank <speculators train flags>
 
 Observers (rank-local, no effect on what the trainer computes):
 - every rank appends the sample ids its train sampler hands out per epoch to
-  `$DRAFTLAB_RUN_DIR/samples/rank<r>.jsonl` — the launcher checks them disjoint and complete;
+  the run folder (RunDir.samples_file) — the launcher checks them disjoint and complete;
 - global rank 0 logs speculators' metric records into the launcher's MLflow run
   (`MLFLOW_RUN_ID`) with perf/* figures derived from the step accounting, skips steps already
   logged before a resume, and stops the run on a NaN/inf loss.
@@ -13,7 +14,6 @@ Observers (rank-local, no effect on what the trainer computes):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from draftlab import compat
 from draftlab.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
+from draftlab.rundir import Failure, RankDone, RankPlan, RunDir
 from draftlab.run_timing import Eta
 
 
@@ -113,14 +114,14 @@ class CpuTimed(logging.Handler):
 class MetricsToTracker(logging.Handler):
     """speculators.metrics records → MLflow names, perf/* from the accounting plan."""
 
-    def __init__(self, tracker, plan: dict, optimizer: str, run_dir: Path):
+    def __init__(self, tracker, plan: RankPlan, run_dir: Path):
         super().__init__()
         self.tracker = _Background(tracker)
-        self.optimizer = optimizer
+        self.optimizer = plan.optimizer
         self.run_dir = run_dir
-        self.total_steps = plan["total_steps"]
-        self.step_tokens = plan["step_tokens"]  # real (unpadded) tokens of every global step
-        self.last_logged = plan.get("last_logged_step", -1)
+        self.total_steps = plan.total_steps
+        self.step_tokens = plan.step_tokens  # real (unpadded) tokens of every global step
+        self.last_logged = plan.last_logged_step
         self.eta = Eta(plan)  # draftlab.run_timing
         self.flatten = compat.metric_flattener()
 
@@ -138,7 +139,7 @@ class MetricsToTracker(logging.Handler):
         loss = flat["train/loss"]
         if not math.isfinite(loss):
             msg = f"train/loss is {loss} at global step {step} (epoch {flat.get('epoch')}): training stopped"
-            (self.run_dir / "failure.json").write_text(json.dumps({"reason": "non-finite loss", "message": msg}))
+            RunDir(self.run_dir).failure.write(Failure(reason="non-finite loss", message=msg))
             raise FloatingPointError(msg)
         if step <= self.last_logged:  # redone after a resume: already in the run
             return
@@ -174,27 +175,25 @@ def main(argv: list[str]) -> None:
     run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
     rank = int(os.environ.get("RANK", "0"))
     handlers = []
+    plan = RunDir(run_dir).plan.read() if run_dir is not None else None
     if run_dir is not None:
         procs.record_self(run_dir, f"rank{rank}")
         from draftlab.telemetry import StepProfileRecorder
 
-        compat.record_sampler_batches(run_dir / "samples" / f"rank{rank}.jsonl")
+        compat.record_sampler_batches(RunDir(run_dir).samples_file(rank))
         handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
             from draftlab.tracking import MlflowTracker
 
-            plan = json.loads((run_dir / "plan.json").read_text())
-            tracker = MlflowTracker(run_id, spool=run_dir / "tracking-spool.jsonl")
-            metrics = MetricsToTracker(tracker, plan, os.environ.get("DRAFTLAB_OPTIMIZER", "AdamW"), run_dir)
+            tracker = MlflowTracker(run_id, spool=RunDir(run_dir).spool_path)
+            metrics = MetricsToTracker(tracker, plan, run_dir)
             handlers.append(CpuTimed(metrics))
             # every step up to a checkpoint is in the store before the checkpoint exists: a rank
             # killed by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes
             compat.before_checkpoint(metrics.tracker.drain)
-    if "DRAFTLAB_STORE_DIR" in os.environ:
-        verify_hidden_state_reads(Path(os.environ["DRAFTLAB_STORE_DIR"]),
-                                  full=os.environ.get("DRAFTLAB_VERIFY_READS", "sha256") == "sha256")
-    started = time.time()
+    if plan is not None and plan.store_dir is not None:
+        verify_hidden_state_reads(Path(plan.store_dir), full=plan.verify_reads == "sha256")
     try:
         run_trainer(argv, metric_handlers=handlers)
     except FloatingPointError as err:
@@ -203,9 +202,7 @@ def main(argv: list[str]) -> None:
     except HiddenStateFileError as err:
         msg = clean_message(err)
         if run_dir is not None:
-            from draftlab.util import write_json_atomic
-
-            write_json_atomic(run_dir / "failure.json", {"reason": "bad hidden-state file", "message": msg})
+            RunDir(run_dir).failure.write(Failure(reason="bad hidden-state file", message=msg))
         print(f"draftlab: {msg}", file=sys.stderr)
         sys.exit(4)
     finally:
@@ -216,8 +213,7 @@ def main(argv: list[str]) -> None:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
-        (run_dir / "rank0-done.json").write_text(json.dumps({"wall_clock_s": time.time() - started,
-                                                             "harness_cpu_s": cpu}))
+        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from draftlab import store
+from draftlab.rundir import RunDir
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,8 +207,8 @@ def test_a_flipped_byte_stops_training_at_the_file(copy):
     assert proc.returncode == 1
     last = [l for l in proc.stderr.splitlines() if l.startswith("error:")][-1]
     assert "hs_0.safetensors: corrupt (sha256 differs from the manifest)" in last and store.REPAIR in last
-    assert not (root / "runs/other/train.json").exists()
-    run_id = json.loads((root / "runs/other/run.json").read_text())["run_id"]
+    assert not RunDir(root / "runs/other").train.exists()
+    run_id = RunDir(root / "runs/other").run.read().run_id
     assert run_id in last
     for word in last.split():  # a path it names must exist
         if word.startswith(("runs/", str(root))):
@@ -229,7 +230,7 @@ def test_a_set_aside_store_is_reused_when_the_params_return(copy):
     _set(root, good.replace("  dtype: bfloat16\n", "  dtype: float16\n", 1))
     assert "dtype: float16" in (root / "params.yaml").read_text()
     _sh(_stage_cmd(root, "extract"), root, env)
-    assert store.read_manifest(hs)["dtype"] == "float16"
+    assert store.read_manifest(hs).dtype == "float16"
     _set(root, good)
     back = _sh(_stage_cmd(root, "extract"), root, env)
     assert "reusing the store set aside" in _flat(back) and "(0 tokens extracted now" in _flat(back)

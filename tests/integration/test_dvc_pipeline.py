@@ -59,7 +59,7 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     hs = root / "data/hidden_states"
     manifest = store.read_manifest(hs)
     prepared = yaml.safe_load((root / "data/prepared/prepare.json").read_text())
-    assert manifest["num_files"] == prepared["num_samples"] > 0
+    assert manifest.num_files == prepared["num_samples"] > 0
     assert store.verify(hs) == []
 
     # Cached by hardlink, never copied: every file is its cache object (same inode; identical
@@ -79,9 +79,9 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     (cache_du,) = _du_bytes(root, ".dvc/cache")
     (store_du,) = _du_bytes(root, "data/hidden_states")
     together = sum(_du_bytes(root, ".dvc/cache", "data/hidden_states"))
-    assert store_du >= manifest["total_bytes"] > 1e6 and cache_du >= manifest["total_bytes"]
+    assert store_du >= manifest.total_bytes > 1e6 and cache_du >= manifest.total_bytes
     assert together <= cache_du + 0.05 * store_du  # a copied store would add another store_du
-    assert os.stat(hs / manifest["files"][0]["name"]).st_mode & 0o222 == 0  # linked files are read-only
+    assert os.stat(hs / manifest.files[0].name).st_mode & 0o222 == 0  # linked files are read-only
 
     again = _run(["dvc", "repro", "extract"], root, env)
     # Only the store check runs again (always_changed, seconds); it finds nothing, so no stage
@@ -111,7 +111,7 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     changed = _run(["dvc", "repro", "extract"], root, env)
     assert "Running stage 'extract'" in changed
     assert "Running stage 'prepare'" not in changed and "Running stage 'target'" not in changed
-    assert store.read_manifest(hs)["dtype"] == "float8_e4m3fn" and store.verify(hs) == []
+    assert store.read_manifest(hs).dtype == "float8_e4m3fn" and store.verify(hs) == []
     assert list(root.glob("data/.stale-hidden_states-*"))  # the old store's work folder, set aside
     _run(["git", "add", "-A"], root, env)
     _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "v2 fp8"], root, env)
@@ -121,7 +121,7 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     assert _files(hs) == v1
     _run(["git", "checkout", "-q", "-"], root, env)
     _run(["dvc", "checkout", "extract"], root, env)  # train and export never ran here
-    assert store.read_manifest(hs)["dtype"] == "float8_e4m3fn"
+    assert store.read_manifest(hs).dtype == "float8_e4m3fn"
 
     # The old params back: DVC's run-cache restores the old store by links, nothing re-extracted.
     params["extract"]["dtype"] = "bfloat16"

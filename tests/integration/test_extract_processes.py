@@ -33,7 +33,7 @@ def test_two_processes_write_the_store_one_process_writes(built, tmp_path):
     assert sorted(one) == sorted(two) and len(one) == result.num_files + 1  # + manifest.json
     different = [name for name in one if one[name] != two[name]]
     assert not different, f"files differ between 1 and 2 processes: {different[:5]}"
-    assert store.read_manifest(tmp_path / "dp")["compute"] == {"device": "cpu", "compute_dtype": "float32"}
+    assert store.read_manifest(tmp_path / "dp").compute == {"device": "cpu", "compute_dtype": "float32"}
 
 
 def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
@@ -61,7 +61,7 @@ def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
     done = re.search(r"(\d+)/(\d+) batches already done", " ".join((rerun.stdout + rerun.stderr).split()))
     assert done and int(done[1]) == 2 < int(done[2]), "the rerun resumed the killed run's batches"
     manifest = store.read_manifest(tmp_path / "dp")
-    assert manifest["num_files"] == store.read_manifest(store_dir)["num_files"]
+    assert manifest.num_files == store.read_manifest(store_dir).num_files
     assert store.verify(tmp_path / "dp") == [], "every file whole and as the manifest says"
 
 

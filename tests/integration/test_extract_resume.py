@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from draftlab import store
+from draftlab.rundir import StoreDir
 from tests.integration.pause import paused_after, wait_paused
 
 RAW = {
@@ -43,11 +44,11 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
     env, paused = paused_after(tmp_path, 4)
     proc = _extract(params_path, tmp_path, "killed", env)
     work = store.work_dir(tmp_path / "killed")  # where an unfinished store lives (outside DVC's output)
-    journal = work / store.JOURNAL
+    journal = StoreDir(work).journal_path
     wait_paused(proc, paused)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "killed").exists() and not (work / store.MANIFEST).exists(), \
+    assert not (tmp_path / "killed").exists() and not store.has_manifest(work), \
         "a killed run must not look finished"
     done_before = len(journal.read_text().splitlines()) - 1
 

@@ -38,8 +38,8 @@ def test_store_files_in_speculators_layout(built):
     from datasets import load_from_disk
 
     ds = load_from_disk(str(data_dir))
-    assert manifest["num_files"] == len(ds)
-    assert manifest["layer_ids"] == [2, 4, 5]
+    assert manifest.num_files == len(ds)
+    assert manifest.layer_ids == [2, 4, 5]
     for i in (0, len(ds) - 1):
         d = load_file(store_dir / f"hs_{i}.safetensors")
         assert d["hidden_states"].shape == (ds[i]["seq_len"], 4, 32)
@@ -47,7 +47,7 @@ def test_store_files_in_speculators_layout(built):
         assert d["token_ids"].tolist() == list(ds[i]["input_ids"])
     analytic = store.bytes_per_token(32, "bfloat16")
     assert analytic == 4 * 32 * 2 + 8
-    per_token = manifest["total_bytes"] / manifest["num_tokens"]
+    per_token = manifest.total_bytes / manifest.num_tokens
     assert analytic <= per_token < analytic * 1.5
 
 

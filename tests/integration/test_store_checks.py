@@ -10,7 +10,7 @@ from draftlab import compat, store
 
 
 def _records(store_dir):
-    return {r["index"]: r for r in store.read_manifest(store_dir)["files"]}
+    return {f.index: f.model_dump() for f in store.read_manifest(store_dir).files}
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_the_first_bad_file_read_stops_with_its_name_and_the_repair(dataset, sto
 
 
 def test_journal_forget_keeps_the_good_records(store_copy):
-    key = store.read_manifest(store_copy)["key"]
+    key = store.read_manifest(store_copy).key
     journal = store.Journal.open(store_copy, key)
     n = len(journal.done)
     journal.forget({0, 5})

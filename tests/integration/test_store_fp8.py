@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from draftlab import store
+from draftlab.rundir import StoreDir
 from tests.conftest import tiny_params
 
 
@@ -28,8 +29,8 @@ def test_fp8_files_are_hs_connectors_layout_and_half_the_bytes(fp8_store):
     _, bf16_dir, fp8_dir = fp8_store
     assert store.SCALES_KEY == SCALES_KEY
     m8, m16 = store.read_manifest(fp8_dir), store.read_manifest(bf16_dir)
-    assert m8["dtype"] == "float8_e4m3fn" and m8["key"] != m16["key"]
-    assert m8["num_tokens"] == m16["num_tokens"]
+    assert m8.dtype == "float8_e4m3fn" and m8.key != m16.key
+    assert m8.num_tokens == m16.num_tokens
     d = load_file(fp8_dir / "hs_0.safetensors")
     t = d["hidden_states"].shape[0]
     assert d["hidden_states"].dtype == torch.float8_e4m3fn and d["hidden_states"].shape == (t, 4, 32)
@@ -39,13 +40,13 @@ def test_fp8_files_are_hs_connectors_layout_and_half_the_bytes(fp8_store):
     assert store.bytes_per_token(h, "float8_e4m3fn") == 4 * h + 12
 
     def payload(m, d):  # bytes on disk less each file's safetensors header
-        return m["total_bytes"] - sum(8 + int.from_bytes((d / r["name"]).read_bytes()[:8], "little")
-                                      for r in m["files"])
+        return m.total_bytes - sum(8 + int.from_bytes((d / r.name).read_bytes()[:8], "little")
+                                      for r in m.files)
 
-    assert payload(m8, fp8_dir) == m8["num_tokens"] * (4 * h + 12)
+    assert payload(m8, fp8_dir) == m8.num_tokens * (4 * h + 12)
     assert payload(m8, fp8_dir) / payload(m16, bf16_dir) == pytest.approx((4 * h + 12) / (8 * h + 8))
     # these 41-token files carry ~0.2 kB headers each; at the reference's 2,353 tokens/file ~0.01%
-    assert m8["total_bytes"] / m16["total_bytes"] < 0.56
+    assert m8.total_bytes / m16.total_bytes < 0.56
     assert store.verify(fp8_dir) == []
 
 
@@ -84,12 +85,12 @@ def test_verify_names_a_file_of_another_dtype(fp8_store, tmp_path):
     manifest = store.read_manifest(mixed)
     # a bf16 file where the manifest promises fp8, its record updated so only the dtype differs
     shutil.copy(bf16_dir / "hs_3.safetensors", mixed / "hs_3.safetensors")
-    rec = next(r for r in manifest["files"] if r["index"] == 3)
-    rec["bytes"] = (mixed / "hs_3.safetensors").stat().st_size
+    rec = next(r for r in manifest.files if r.index == 3)
+    rec.bytes = (mixed / "hs_3.safetensors").stat().st_size
     from draftlab.util import sha256_file
 
-    rec["sha256"] = sha256_file(mixed / "hs_3.safetensors")
-    (mixed / store.MANIFEST).write_text(json.dumps(manifest))
+    rec.sha256 = sha256_file(mixed / "hs_3.safetensors")
+    StoreDir(mixed).manifest.write(manifest)
     problems = store.verify(mixed, full=False)
     assert len(problems) == 1 and "hs_3.safetensors" in problems[0] and "bfloat16" in problems[0]
     result = CliRunner().invoke(app, ["verify", str(mixed)])

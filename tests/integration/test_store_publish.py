@@ -36,6 +36,6 @@ def test_a_store_published_for_other_params_is_set_aside_not_deleted(built, tmp_
     old = store.read_manifest(out)
     fp16 = tiny_params(extract={"batch_tokens": 512, "dtype": "float16"})
     extract.run(fp16, target_dir=target_dir, data_dir=data_dir, out_dir=out)
-    assert store.read_manifest(out)["dtype"] == "float16" and store.verify(out) == []
-    aside = store.stale_dir(out, old["key"])
-    assert store.read_manifest(aside)["key"] == old["key"] and store.verify(aside) == []
+    assert store.read_manifest(out).dtype == "float16" and store.verify(out) == []
+    aside = store.stale_dir(out, old.key)
+    assert store.read_manifest(aside).key == old.key and store.verify(aside) == []

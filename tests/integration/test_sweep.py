@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftlab.rundir import TrialDir
+
 
 BUDGET_S = 1800  # never the limit here: --n-trials ends the resumed sweep, whatever this host's speed
 
@@ -81,7 +83,7 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     out_first = first.stdout.read().decode()
     wall_first = time.time() - t_first
     assert "calibration at 1 GPU(s)" in out_first, out_first
-    torchrun_pgid = json.loads((victim / "train" / "launch.json").read_text())["pgid"]
+    torchrun_pgid = TrialDir(victim).train.launch_file().read().pgid
     time.sleep(3)  # downtime: not the sweep's time
     journal = optuna.storages.JournalStorage(JournalFileBackend(str(study_dir / "journal.log")))
     launched = sum(1 for t in optuna.load_study(study_name="it", storage=journal).get_trials()
@@ -101,7 +103,7 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     killed = next(t for t in trials if Path(t.user_attrs.get("trial_dir", "")).name == victim.name)
     assert killed.state.name == "FAIL" and killed.user_attrs["status"] == "interrupted"
     assert not _alive(torchrun_pgid), "the killed sweep's orphaned ranks were stopped"
-    assert not (victim / "result.json").exists() and not (victim / "train" / "train.json").exists(), \
+    assert not TrialDir(victim).result.exists() and not TrialDir(victim).train.train.exists(), \
         "the orphaned trial was stopped at the rerun's start, not left to finish on its own"
     assert not any(t.state.name == "RUNNING" for t in trials)
     calibrations = [t for t in trials if t.user_attrs.get("role") == "calibration"]

@@ -13,6 +13,8 @@ import time
 import pytest
 import yaml
 
+from draftlab.rundir import RunDir
+
 
 def _train_params(built, **train):
     params = built[0]
@@ -73,7 +75,7 @@ def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tm
     for epoch in range(2):
         r0, r1 = ([set(r["ids"]) for r in recs if r["epoch"] == epoch and r["rank"] == k] for k in (0, 1))
         assert r0 and r1 and not (r0[-1] & r1[-1])
-    assert json.loads((tmp_path / "run" / "train.json").read_text())["run_id"] == result.run_id
+    assert RunDir(tmp_path / "run").train.read().run_id == result.run_id
 
 
 def test_accounting_mismatch_is_reported():
@@ -151,10 +153,10 @@ def test_kill_9_torchrun_then_launcher_no_rank_survives_and_rerun_resumes(built,
         return proc
 
     launcher = start_until("0")
-    os.kill(json.loads((out / "launch.json").read_text())["pgid"], signal.SIGKILL)  # torchrun itself
+    os.kill(RunDir(out).launch_file().read().pgid, signal.SIGKILL)  # torchrun itself
     _wait_for(lambda: not train_ranks_of(out), 10, "the ranks to die with torchrun")
     assert launcher.wait(timeout=120) != 0, "the launcher reports that training did not finish"
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    run_id = RunDir(out).run.read().run_id
 
     launcher = start_until("1")
     os.kill(launcher.pid, signal.SIGKILL)
@@ -163,7 +165,7 @@ def test_kill_9_torchrun_then_launcher_no_rank_survives_and_rerun_resumes(built,
 
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert json.loads((out / "train.json").read_text())["run_id"] == run_id
+    assert RunDir(out).train.read().run_id == run_id
     runs = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert int(runs[0].data.tags["draftlab.resumed_from_step"]) > 0, "resumed from the second kill's checkpoint"
@@ -221,8 +223,8 @@ def test_step_limited_calibration_is_accounted_timed_marked_and_refused_by_expor
     m = run.data.metrics
     assert m["timing/steps"] == 5 and m["timing/epochs"] == 2 and m["timing/step_s"] > 0
     assert m["timing/epoch_s"] >= 0 and m["timing/wall_s"] >= result.wall_clock_s
-    train_json = json.loads((tmp_path / "run" / "train.json").read_text())
-    assert train_json["calibration"] is True
+    train_json = RunDir(tmp_path / "run").train.read()
+    assert train_json.calibration is True
 
     points, note = plan_inputs.measured_points(params, built[3])
     assert set(points) == {1} and "(calibration," in points[1].source, note

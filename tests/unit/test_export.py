@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from draftlab.params import ParamsError
+from draftlab.rundir import Manifest, RunDir, StoreDir, TargetInfo, TrainRecord
 from draftlab.stages import export
 from tests.conftest import tiny_params
 
@@ -73,7 +74,13 @@ def checkpoint(tmp_path_factory, draft):
     return path
 
 
-def _layout(tmp_path, checkpoint, *, edit_config=None, layer_ids=LAYER_IDS, target=None):
+def _manifest(layer_ids=LAYER_IDS, **target) -> Manifest:
+    """A store's manifest as extract writes it, holding no files (export reads its target and layers)."""
+    return Manifest(key="k", target=TargetInfo(**{"source": "tiny", "hidden_size": 32, "num_layers": 8, **target}),
+                    layer_ids=layer_ids, num_files=0, num_tokens=0, total_bytes=0, files=[])
+
+
+def _layout(tmp_path, checkpoint, *, edit_config=None, layer_ids=LAYER_IDS):
     """(train_dir, store_dir) pointing at `checkpoint`, or at a copy whose config.json is edited."""
     import shutil
 
@@ -87,9 +94,10 @@ def _layout(tmp_path, checkpoint, *, edit_config=None, layer_ids=LAYER_IDS, targ
     train_dir, store_dir = tmp_path / "train", tmp_path / "store"
     train_dir.mkdir()
     store_dir.mkdir()
-    (train_dir / "train.json").write_text(json.dumps({"run_id": "x", "checkpoint": str(checkpoint)}))
-    manifest = {"layer_ids": layer_ids, "target": target or {"source": "tiny", "hidden_size": 32, "num_layers": 8}}
-    (store_dir / "manifest.json").write_text(json.dumps(manifest))
+    RunDir(train_dir).train.write(TrainRecord(run_id="x", checkpoint=str(checkpoint), total_steps=1, world_size=1,
+                                              wall_clock_s=1.0, tokens_per_s=1.0, accounting="verified",
+                                              bottleneck="unknown"))
+    StoreDir(store_dir).manifest.write(_manifest(layer_ids))
     return train_dir, store_dir
 
 
@@ -216,8 +224,7 @@ def test_mismatch_fails_with_one_line_naming_the_field(tmp_path, params, target_
         def edit(cfg):
             cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 4, 5]
 
-    train_dir, store_dir = _layout(tmp_path, checkpoint, edit_config=edit, layer_ids=layer_ids,
-                                   target={"source": "tiny"})
+    train_dir, store_dir = _layout(tmp_path, checkpoint, edit_config=edit, layer_ids=layer_ids)
     out = tmp_path / "draft"
     out.mkdir()
     (out / "keep.txt").write_text("an earlier export")
@@ -233,7 +240,6 @@ def test_store_manifest_stands_in_for_an_absent_target_config():
     """A hub target not present on this host: the manifest's recorded sizes are checked."""
     draft_cfg = {"transformer_layer_config": {"hidden_size": 32, "vocab_size": 303},
                  "eagle_aux_hidden_state_layer_ids": LAYER_IDS}
-    manifest = {"layer_ids": LAYER_IDS, "target": {"hidden_size": 32, "vocab_size": 303, "num_layers": 8}}
-    export.check_against_target(draft_cfg, {}, manifest)
+    export.check_against_target(draft_cfg, {}, _manifest(vocab_size=303))
     with pytest.raises(ParamsError, match="vocab_size is 303 but the target has 512"):
-        export.check_against_target(draft_cfg, {}, {**manifest, "target": {**manifest["target"], "vocab_size": 512}})
+        export.check_against_target(draft_cfg, {}, _manifest(vocab_size=512))

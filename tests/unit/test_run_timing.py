@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from draftlab.rundir import RankPlan
 from draftlab.run_timing import Eta
 
-PLAN = {"total_steps": 30, "epoch_steps": [10, 10, 10], "val_steps": 6}
+PLAN = RankPlan(total_steps=30, epoch_steps=[10, 10, 10], val_steps=6)
 
 
 def timeline(step_s, boundary_s=3.0, per_epoch=10, epochs=3, jitter=0.0, seed=0):
@@ -31,17 +32,17 @@ def feed(eta, ends, upto):
 
 def test_eta_at_ten_percent_counts_the_epoch_boundaries_still_ahead():
     ends, end = timeline(lambda s: 0.5)
-    got = feed(Eta({**PLAN, "epoch_s_prior": 3.0}), ends, 3)
+    got = feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 3.0})), ends, 3)
     assert got["perf/eta_s"] == pytest.approx(end - ends[3])  # 26 × 0.5 s + 3 boundaries × 3 s
     # without a measured prior: the validation pass at a third of a step per batch
     assert feed(Eta(PLAN), ends, 3)["perf/eta_s"] == pytest.approx(26 * 0.5 + 3 * 6 * 0.5 / 3)  # tail: one boundary
     # after the first boundary, its own measurement wins over the prior
-    assert feed(Eta({**PLAN, "epoch_s_prior": 100.0}), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])
+    assert feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 100.0})), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])
 
 
 def test_eta_follows_a_rate_that_changes_and_its_range_holds_the_end():
     ends, end = timeline(lambda s: 0.5 if s < 12 else 1.0, jitter=0.2)
-    got = feed(Eta({**PLAN, "epoch_s_prior": 3.0}), ends, 24)
+    got = feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 3.0})), ends, 24)
     actual = end - ends[24]
     assert got["perf/eta_s"] == pytest.approx(actual, rel=0.15), "the recent rate, not the run's mean"
     assert got["perf/eta_p10_s"] <= actual <= got["perf/eta_p90_s"]
@@ -50,5 +51,5 @@ def test_eta_follows_a_rate_that_changes_and_its_range_holds_the_end():
 def test_the_tail_after_the_last_step_comes_from_a_matching_run():
     ends, end = timeline(lambda s: 0.5)
     launcher_checks = 2.0  # after the final validation + checkpoint: accounting check, artifacts
-    got = feed(Eta({**PLAN, "epoch_s_prior": 3.0, "tail_s_prior": 3.0 + launcher_checks}), ends, 3)
+    got = feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 3.0, "tail_s_prior": 3.0 + launcher_checks})), ends, 3)
     assert got["perf/eta_s"] == pytest.approx(end + launcher_checks - ends[3])

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from draftlab import procs
 from draftlab.params import ParamsError
+from draftlab.rundir import Launch, Manifest, RankPlan, RunDir, TargetInfo
 from draftlab.stages import train
 from draftlab.train_rank import MetricsToTracker
 from tests.conftest import tiny_params
@@ -52,7 +53,8 @@ def test_on_a_gpu_the_trainers_own_kernels_stay_and_no_cut_without_max_steps(tmp
 
 
 def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
-    manifest = {"layer_ids": [2, 4, 5]}
+    manifest = Manifest(key="k", target=TargetInfo(source="tiny", num_layers=8, hidden_size=32), layer_ids=[2, 4, 5],
+                        num_files=0, num_tokens=0, total_bytes=0, files=[])
     assert train.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
     same = tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
     assert train.check_layer_ids(same, manifest) == [2, 4, 5]
@@ -101,8 +103,8 @@ def _train_msg(loss: float, epoch: int = 0) -> dict:
 @pytest.fixture
 def handler(tmp_path):
     tracker = Recorded()
-    plan = {"total_steps": 6, "step_tokens": [100] * 6, "epoch_steps": [3, 3], "last_logged_step": 2}
-    h = MetricsToTracker(tracker, plan, "AdamW", tmp_path)
+    plan = RankPlan(total_steps=6, step_tokens=[100] * 6, epoch_steps=[3, 3], last_logged_step=2, optimizer="AdamW")
+    h = MetricsToTracker(tracker, plan, tmp_path)
     yield h, tracker
     h.tracker.close()
 
@@ -127,8 +129,8 @@ def test_a_non_finite_loss_stops_training_and_says_where(handler, tmp_path, loss
     h, tracker = handler
     with pytest.raises(FloatingPointError, match=rf"train/loss is {loss} at global step 4 \(epoch 1\)"):
         h.emit(_record(_train_msg(loss, epoch=1), 4))
-    failure = json.loads((tmp_path / "failure.json").read_text())
-    assert failure["reason"] == "non-finite loss" and "global step 4" in failure["message"]
+    failure = RunDir(tmp_path).failure.read()
+    assert failure.reason == "non-finite loss" and "global step 4" in failure.message
     h.tracker.close()
     assert not any(step == 4 for step, _ in tracker.metrics)
 
@@ -146,10 +148,10 @@ def _console():
 
 
 def test_a_dead_runs_process_group_record_is_cleared(tmp_path):
-    (tmp_path / "launch.json").write_text(json.dumps({"pgid": _dead_group()}))
+    RunDir(tmp_path).launch_file().write(Launch(pgid=_dead_group()))
     console, out = _console()
     train.stop_orphans(tmp_path, console)
-    assert not (tmp_path / "launch.json").exists() and out.getvalue() == ""
+    assert not RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""
 
 
 def test_a_reused_pid_is_not_taken_for_a_rank(tmp_path):
@@ -162,8 +164,8 @@ def test_a_reused_pid_is_not_taken_for_a_rank(tmp_path):
 
 
 def test_a_live_launcher_is_left_alone(tmp_path):
-    (tmp_path / "launch.json").write_text(json.dumps({"pgid": _dead_group()}))
+    RunDir(tmp_path).launch_file().write(Launch(pgid=_dead_group()))
     console, out = _console()
     with train.exclusive(tmp_path):  # what a running `draftlab train` holds
         train.stop_orphans(tmp_path, console)
-    assert (tmp_path / "launch.json").exists() and out.getvalue() == ""
+    assert RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""

@@ -16,7 +16,6 @@ passes saved against plain greedy decoding. Both go to the training run in MLflo
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from draftlab import store
 from draftlab.params import Params
+from draftlab.rundir import RunDir
 from draftlab.util import write_json_atomic
 
 
@@ -51,7 +51,7 @@ def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path, *,
 
     t = params.train
     # the trainer's own reader for the store's dtype (fp8 is dequantized on read)
-    if store.read_manifest(store_dir).get("dtype") == store.FP8:
+    if store.read_manifest(store_dir).dtype == store.FP8:
         transfer = FP8Transfer(Path(store_dir), dequantize_dtype=getattr(torch, store.read_dtype(store.FP8)))
     else:
         transfer = FileTransfer(Path(store_dir))
@@ -247,14 +247,14 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     from draftlab import devices
 
     placement = devices.resolve("evaluate.device", params.evaluate.device, params.target.dtype)
-    train = json.loads((Path(train_dir) / "train.json").read_text())
-    if train.get("calibration"):  # a sweep times evaluate on it; its figures are no draft's quality
+    train = RunDir(train_dir).train.read()
+    if train.calibration:  # a sweep times evaluate on it; its figures are no draft's quality
         console.print(f"[yellow]evaluate[/]: {train_dir} is a step-limited calibration run "
-                      f"({train.get('total_steps')} steps), not a trained draft: its acceptance figures are "
+                      f"({train.total_steps} steps), not a trained draft: its acceptance figures are "
                       "marked eval/calibration = 1 and say nothing about a trained draft")
     manifest = store.read_manifest(store_dir)
     target, tokenizer = load_target(params, target_dir, device=placement.device)
-    draft = load_draft(Path(train["checkpoint"]), resolve(params, target_dir)).to(placement.device)
+    draft = load_draft(Path(train.checkpoint), resolve(params, target_dir)).to(placement.device)
     with devices.autocast(placement):
         metrics = simulated(params, draft, target, data_dir, store_dir)
     from draftlab.specdec import held_out_prompts
@@ -265,20 +265,20 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
                              store_dir=store_dir, out_dir=out_dir))
     else:
         with devices.autocast(placement):
-            metrics.update(measured(params, draft, target, tokenizer, prompts, manifest["layer_ids"]))
+            metrics.update(measured(params, draft, target, tokenizer, prompts, manifest.layer_ids))
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
-    metrics["eval/calibration"] = 1.0 if train.get("calibration") else 0.0
+    metrics["eval/calibration"] = 1.0 if train.calibration else 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
     steps = params.train.ttt_steps
     # Everything is written to a scratch folder first and renamed in at the end: a failure
     # while plotting leaves the previous reports whole, not half replaced.
     with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=out_dir) as scratch:
         scratch = Path(scratch)
-        write_json_atomic(scratch / "metrics.json", {**metrics, "run_id": train["run_id"]})
-        _plots(train["run_id"], steps, metrics, scratch)
-        figures = [out_dir / f.name for f in _figures(train["run_id"], metrics, steps, scratch)]
+        write_json_atomic(scratch / "metrics.json", {**metrics, "run_id": train.run_id})
+        _plots(train.run_id, steps, metrics, scratch)
+        figures = [out_dir / f.name for f in _figures(train.run_id, metrics, steps, scratch)]
         for f in sorted(scratch.iterdir()):
             os.replace(f, out_dir / f.name)
     if tracker is not None:

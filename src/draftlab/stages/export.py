@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.params import Params, ParamsError
+from draftlab.rundir import Manifest, RunDir, TrainRecord
 from draftlab.util import atomic_dir, write_json_atomic
 
 WEIGHTS = "model.safetensors"
@@ -31,11 +32,11 @@ class ExportResult:
     verifier_path: str
 
 
-def target_facts(target_cfg: dict, manifest: dict | None) -> dict:
+def target_facts(target_cfg: dict, manifest: Manifest | None) -> dict:
     """hidden_size, vocab_size, num_layers of the target: its config.json (or its `text_config`,
     as in multimodal targets such as Kimi-K2.5), else what the store's manifest recorded."""
     text = target_cfg.get("text_config") or {}
-    recorded = (manifest or {}).get("target") or {}
+    recorded = manifest.target.model_dump() if manifest is not None else {}
     facts = {}
     for name, cfg_key, manifest_key in (("hidden_size", "hidden_size", "hidden_size"),
                                         ("vocab_size", "vocab_size", "vocab_size"),
@@ -45,7 +46,7 @@ def target_facts(target_cfg: dict, manifest: dict | None) -> dict:
     return facts
 
 
-def check_against_target(draft_cfg: dict, target_cfg: dict, manifest: dict | None, *,
+def check_against_target(draft_cfg: dict, target_cfg: dict, manifest: Manifest | None, *,
                          source: str = "draft config.json") -> None:
     """One clear line naming the field that differs between a draft and its target."""
     layer = draft_cfg.get("transformer_layer_config") or {}
@@ -62,12 +63,12 @@ def check_against_target(draft_cfg: dict, target_cfg: dict, manifest: dict | Non
     if want["num_layers"] is not None and not all(0 <= i < want["num_layers"] for i in ids):
         raise ParamsError(f"{source}: eagle_aux_hidden_state_layer_ids {ids} out of range for a target with "
                           f"{want['num_layers']} layers; this draft was trained for another target")
-    if manifest is not None and manifest.get("layer_ids") is not None and list(ids) != list(manifest["layer_ids"]):
+    if manifest is not None and list(ids) != manifest.layer_ids:
         raise ParamsError(f"{source}: eagle_aux_hidden_state_layer_ids is {list(ids)} but the hidden-state store "
-                          f"has {list(manifest['layer_ids'])}; export the draft trained on this store")
+                          f"has {manifest.layer_ids}; export the draft trained on this store")
 
 
-def check_weights(weights: dict, target_cfg: dict, manifest: dict | None, *, source: str) -> None:
+def check_weights(weights: dict, target_cfg: dict, manifest: Manifest | None, *, source: str) -> None:
     """The tensors themselves against the target: a config can be edited, a shape cannot lie."""
     want = target_facts(target_cfg, manifest)
     checks = []
@@ -102,16 +103,15 @@ def _load_weights(checkpoint: Path) -> dict:
     raise FileNotFoundError(f"{checkpoint}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); is this a speculators checkpoint?")
 
 
-def _read_checkpoint(train_dir: Path) -> tuple[dict, Path, dict]:
-    pointer = Path(train_dir) / "train.json"
-    if not pointer.exists():
-        raise FileNotFoundError(f"{pointer}: not found; run `draftlab train` (or `dvc repro train`) first")
-    train = json.loads(pointer.read_text())
-    if train.get("calibration"):
-        raise ParamsError(f"{pointer}: MLflow run {train.get('run_id')} is a step-limited calibration "
-                          f"({train.get('total_steps')} steps, train.max_steps set), not a trained draft; set "
+def _read_checkpoint(train_dir: Path) -> tuple[TrainRecord, Path, dict]:
+    record = RunDir(train_dir).train
+    train = record.read()
+    pointer = record.path
+    if train.calibration:
+        raise ParamsError(f"{pointer}: MLflow run {train.run_id} is a step-limited calibration "
+                          f"({train.total_steps} steps, train.max_steps set), not a trained draft; set "
                           "train.max_steps: null and train")
-    checkpoint = Path(train["checkpoint"])
+    checkpoint = Path(train.checkpoint)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(f"{checkpoint}/config.json: the checkpoint named by {pointer} is missing")
     return train, checkpoint, json.loads((checkpoint / "config.json").read_text())
@@ -154,7 +154,7 @@ def run(params: Params, *, target_dir: Path, train_dir: Path, store_dir: Path, o
     target_config = Path(verifier_local) / "config.json"
     target_cfg = json.loads(target_config.read_text()) if target_config.is_file() else {}
     manifest = store.read_manifest(store_dir)
-    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or manifest["layer_ids"]
+    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or manifest.layer_ids
     if len(layer_ids) != 3:
         raise ParamsError(f"{source}: {len(layer_ids)} aux layer ids {list(layer_ids)}; vLLM's EAGLE-3 loader "
                           "needs exactly 3 (set extract.layer_ids to 3 ids and retrain)")
@@ -177,7 +177,7 @@ def run(params: Params, *, target_dir: Path, train_dir: Path, store_dir: Path, o
             shutil.copy2(checkpoint / "config.py", tmp / "config.py")
         (tmp / "README.md").write_text(
             "# EAGLE-3 draft exported by draftlab\n\n"
-            f"Trained in MLflow run `{train['run_id']}` from `{checkpoint}`; auxiliary layers {list(layer_ids)}; "
+            f"Trained in MLflow run `{train.run_id}` from `{checkpoint}`; auxiliary layers {list(layer_ids)}; "
             "bf16 weights.\n\n"
             "Serve it next to its target with vLLM (on another host, put the draft's path there in `model`):\n\n"
             f"```bash\n{command}\n```\n\n"
@@ -185,7 +185,7 @@ def run(params: Params, *, target_dir: Path, train_dir: Path, store_dir: Path, o
             f"config.json is `{serving}` (`export.verifier_path`); to load the draft where that path does not exist, "
             "override `speculators_config.verifier.name_or_path` with the local target.\n"
         )
-        write_json_atomic(tmp / "export.json", {"run_id": train["run_id"], "checkpoint": str(checkpoint),
+        write_json_atomic(tmp / "export.json", {"run_id": train.run_id, "checkpoint": str(checkpoint),
                                                 "verifier_path": serving, "layer_ids": list(layer_ids),
                                                 "num_speculative_tokens": k, "dtype": "bfloat16",
                                                 "serve_command": command})

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from draftlab import store
 from draftlab.params import Params, ParamsError
-from draftlab.util import sha256_file, write_bytes_atomic, write_json_atomic
+from draftlab.rundir import Manifest, StoreDir, TargetInfo
+from draftlab.util import sha256_file, write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -349,7 +350,7 @@ def open_work(out_dir: Path, key: str, console) -> tuple[Path, store.Journal]:
     """The folder extraction writes and keeps (store.work_dir) and its journal. A store published
     at `out_dir` with no work folder (pulled by DVC, or an older layout) becomes the work folder."""
     work = store.work_dir(out_dir)
-    if not work.exists() and (out_dir / store.JOURNAL).exists():
+    if not work.exists() and StoreDir(out_dir).journal_path.exists():
         out_dir.rename(work)
     return work, open_store(work, key, console, named=out_dir)
 
@@ -364,7 +365,7 @@ def publish(work: Path, out_dir: Path, key: str, console) -> None:
         if path.is_file() and ".tmp-" not in path.name:
             os.link(path, tmp / path.name)
     if out_dir.exists():
-        journal = out_dir / store.JOURNAL
+        journal = StoreDir(out_dir).journal_path
         old_key = json.loads(journal.read_text().splitlines()[0]).get("key") if journal.exists() else None
         aside = store.stale_dir(out_dir, old_key)
         if old_key == key or (old_key and aside.is_dir()):
@@ -401,13 +402,13 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     from draftlab.stages.target import load_target
 
     check_dtype(params.extract.dtype)
+    c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
     if params.extract.backend == "vllm":
         from draftlab import vllm_extract
 
         vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir)
-        return _manifest_from_files(params, data_dir=data_dir, out_dir=out_dir)
+        return _manifest_from_files(params, c, data_dir=data_dir, out_dir=out_dir)
 
-    c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
     ds = load_from_disk(str(data_dir))
     seq_lens = list(ds["seq_len"])
     num_layers, hidden, layer_ids, key_fields, key = c.num_layers, c.hidden_size, c.layer_ids, c.key_fields, c.key
@@ -469,40 +470,43 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
             sampler.stop()
 
     files = [{k: v for k, v in journal.done[i].items() if k != "mtime_ns"} for i in range(len(seq_lens))]
-    manifest = {
-        "key": key,
-        "key_fields": key_fields,
-        "target": {"path": params.target.path, "source": params.target.source,
-                   "num_layers": num_layers, "hidden_size": hidden, "vocab_size": c.vocab_size},
-        "layer_ids": layer_ids,
-        "dtype": dtype,
-        "compute": placement.record(),
-        "num_files": len(files),
-        "num_tokens": sum(f["tokens"] for f in files),
-        "total_bytes": sum(f["bytes"] for f in files),
-        "bytes_per_token_analytic": store.bytes_per_token(hidden, dtype),
-        "files": files,
-    }
-    write_json_atomic(work / store.MANIFEST, manifest)
+    manifest = write_manifest(work, params, c, key=key, key_fields=key_fields, files=files,
+                              compute=placement.record(), bytes_per_token_analytic=store.bytes_per_token(hidden, dtype))
     publish(work, out_dir, key, console)
     elapsed = time.perf_counter() - started
     tps = done_tokens / elapsed if done_tokens else 0.0
     if tracker is not None:
-        tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest["num_tokens"],
-                             "extract/total_bytes": manifest["total_bytes"]})
+        tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest.num_tokens,
+                             "extract/total_bytes": manifest.total_bytes})
         tracker.log_params({"extract.layer_ids": layer_ids, "extract.dtype": dtype,
                             "extract.resolved_device": placement.device,
                             "extract.compute_dtype": placement.compute_dtype, "extract.processes_used": processes})
         tracker.set_tags({"data.hidden_states_hash": store.manifest_hash(out_dir), "draftlab.stage": "extract"})
     console.print(
-        f"[bold]extract[/]: {len(files)} files, {manifest['num_tokens']:,} tokens, "
-        f"{manifest['total_bytes'] / 2**20:.1f} MiB → {out_dir} "
+        f"[bold]extract[/]: {len(files)} files, {manifest.num_tokens:,} tokens, "
+        f"{manifest.total_bytes / 2**20:.1f} MiB → {out_dir} "
         f"({done_tokens:,} tokens extracted now at {tps:,.0f} tok/s)"
     )
-    return ExtractResult(out_dir, len(files), manifest["num_tokens"], manifest["total_bytes"], done_tokens, tps)
+    return ExtractResult(out_dir, len(files), manifest.num_tokens, manifest.total_bytes, done_tokens, tps)
 
 
-def _manifest_from_files(params: Params, *, data_dir: Path, out_dir: Path) -> ExtractResult:
+def write_manifest(store_dir: Path, params: Params, c: Checked, *, key: str, files: list[dict],
+                   key_fields: dict | None = None, compute: dict | None = None,
+                   bytes_per_token_analytic: int | None = None) -> Manifest:
+    """The store's manifest, for either backend: written last, so its presence means complete.
+    The model refuses what a reader could not use (no layer ids, not exactly 3)."""
+    known = {"key_fields": key_fields, "compute": compute, "bytes_per_token_analytic": bytes_per_token_analytic}
+    manifest = Manifest(
+        key=key, layer_ids=c.layer_ids, dtype=params.extract.dtype, files=files, num_files=len(files),
+        num_tokens=sum(f["tokens"] for f in files), total_bytes=sum(f["bytes"] for f in files),
+        target=TargetInfo(path=params.target.path, source=params.target.source, num_layers=c.num_layers,
+                          hidden_size=c.hidden_size, vocab_size=c.vocab_size),
+        **{k: v for k, v in known.items() if v is not None})  # what a backend does not know is left out
+    StoreDir(store_dir).manifest.write(manifest)
+    return manifest
+
+
+def _manifest_from_files(params: Params, c: Checked, *, data_dir: Path, out_dir: Path) -> ExtractResult:
     """Manifest for a store another writer produced (the vllm backend): hash what is there."""
     from datasets import load_from_disk
     from safetensors import safe_open
@@ -520,19 +524,12 @@ def _manifest_from_files(params: Params, *, data_dir: Path, out_dir: Path) -> Ex
             # a server the user started keeps its own connector flags; draftlab cannot change them
             raise ParamsError(f"{path}: holds {got} hidden states but extract.dtype is {params.extract.dtype}; "
                               f"restart the vLLM server with the matching hs_connectors connector or set extract.dtype")
+        if shape[2] != c.hidden_size:
+            raise ParamsError(f"{path}: hidden size {shape[2]}, the target's config.json says {c.hidden_size}; "
+                              "point extract.vllm_url at a server of this target (target.path)")
         files.append({"index": i, "name": path.name, "bytes": path.stat().st_size,
                       "sha256": sha256_file(path), "tokens": shape[0]})
-    layer_ids = params.extract.layer_ids
-    manifest = {
-        "key": store.store_key({"target": params.target.path, "layer_ids": layer_ids, "backend": "vllm",
-                                "dtype": params.extract.dtype}),
-        "target": {"path": params.target.path, "source": params.target.source, "hidden_size": shape[2]},
-        "layer_ids": layer_ids,
-        "dtype": params.extract.dtype,
-        "num_files": len(files),
-        "num_tokens": sum(f["tokens"] for f in files),
-        "total_bytes": sum(f["bytes"] for f in files),
-        "files": files,
-    }
-    write_json_atomic(out_dir / store.MANIFEST, manifest)
-    return ExtractResult(out_dir, len(files), manifest["num_tokens"], manifest["total_bytes"], 0, 0.0)
+    key = store.store_key({"target": params.target.path, "layer_ids": c.layer_ids, "backend": "vllm",
+                           "dtype": params.extract.dtype})
+    manifest = write_manifest(out_dir, params, c, key=key, files=files)
+    return ExtractResult(out_dir, len(files), manifest.num_tokens, manifest.total_bytes, 0, 0.0)

@@ -27,15 +27,19 @@ from pathlib import Path
 
 from draftlab import accounting as acc
 from draftlab import run_timing, store
+from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError, flatten
-from draftlab.util import write_json_atomic
+from draftlab.rundir import (AccountingCheck, AccountingRecord, Command, Launch, Manifest, RankPlan, RunDir,
+                             RunState, TrainRecord)
 
 EXPERIMENT = "draftlab"
 TERM_GRACE_S = 10
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(UserError, RuntimeError):
     """Training ran but did not finish correctly; the message says what differed."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -185,9 +189,9 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir
     return argv + list(t.extra_args)
 
 
-def check_layer_ids(params: Params, manifest: dict, store_dir: Path = Path("data/hidden_states")) -> list[int]:
+def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path = Path("data/hidden_states")) -> list[int]:
     """The aux layers come from the store; a draft config that disagrees is refused."""
-    layer_ids = manifest["layer_ids"]
+    layer_ids = manifest.layer_ids
     extra = params.train.extra_args
     if "--target-layer-ids" in extra:
         i = extra.index("--target-layer-ids") + 1
@@ -195,7 +199,7 @@ def check_layer_ids(params: Params, manifest: dict, store_dir: Path = Path("data
         if asked != layer_ids:
             raise ParamsError(
                 f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
-                f"({Path(store_dir) / store.MANIFEST}); drop it — the ids come from the extract stage"
+                f"({store.manifest_path(store_dir)}); drop it — the ids come from the extract stage"
             )
     return layer_ids
 
@@ -211,10 +215,10 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
 
 
 @contextmanager
-def exclusive(out_dir: Path):
-    """One training per run folder: a second launcher is refused, not interleaved."""
+def exclusive(out_dir: Path, node_rank: int = 0):
+    """One training per run folder (per node): a second launcher is refused, not interleaved."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / ".lock", os.O_CREAT | os.O_RDWR)
+    fd = os.open(RunDir(out_dir).lock_path(node_rank), os.O_CREAT | os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -227,10 +231,11 @@ def exclusive(out_dir: Path):
         os.close(fd)
 
 
-def _lock_held(out_dir: Path) -> bool:
-    if not (out_dir / ".lock").exists():
+def _lock_held(out_dir: Path, node_rank: int = 0) -> bool:
+    lock = RunDir(out_dir).lock_path(node_rank)
+    if not lock.exists():
         return False
-    fd = os.open(out_dir / ".lock", os.O_RDWR)
+    fd = os.open(lock, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -247,19 +252,21 @@ def _alive(pgid: int) -> bool:
     return group_alive(pgid)
 
 
-def stop_orphans(out_dir: Path, console) -> None:
+def stop_orphans(out_dir: Path, console, node_rank: int = 0) -> None:
     """Ranks of a launcher that was killed keep running (their own process group): stop them.
     A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second."""
     from draftlab import procs
 
-    if _lock_held(out_dir):
+    if _lock_held(out_dir, node_rank):
         return
     if ranks := procs.kill_recorded(out_dir):  # ranks run in sessions of their own: by pid
         console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")
-    launch = out_dir / "launch.json"
-    if not launch.exists():
+    launch_file = RunDir(out_dir).launch_file(node_rank)
+    launch = launch_file.peek()  # torn by the kill: no group to stop
+    if launch is None:
+        launch_file.unlink()
         return
-    pgid = json.loads(launch.read_text()).get("pgid")
+    pgid = launch.pgid
     if pgid and _alive(pgid):
         console.print(f"[yellow]train[/]: stopping orphaned ranks of a killed run (process group {pgid})")
         os.killpg(pgid, signal.SIGTERM)
@@ -268,14 +275,14 @@ def stop_orphans(out_dir: Path, console) -> None:
             time.sleep(0.2)
         if _alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
-    launch.unlink()
+    launch_file.unlink()
 
 
 def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
     """What the ranks' samplers handed out, per (epoch, rank). After a mid-epoch resume the
     sampler hands out only the remaining batches, so records of one epoch are merged."""
     seen: dict[int, dict[int, list[int]]] = {}
-    for path in sorted((out_dir / "samples").glob("rank*.jsonl")):
+    for path in sorted(RunDir(out_dir).samples_dir.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             ids = seen.setdefault(rec["epoch"], {}).setdefault(rec["rank"], [])
@@ -316,21 +323,20 @@ def _open_run(out_dir: Path, key: str, console, tags: dict[str, str] | None = No
     from draftlab.tracking import tracking_uri
 
     mlflow.set_tracking_uri(tracking_uri())
-    state = out_dir / "run.json"
-    if state.exists():
-        prev = json.loads(state.read_text())
-        if prev.get("key") == key and prev.get("run_id"):
-            try:
-                mlflow.MlflowClient().get_run(prev["run_id"])
-                return prev["run_id"], True
-            except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
-                console.print(f"[yellow]train[/]: MLflow run {prev['run_id']} not found; starting a new one")
+    state = RunDir(out_dir).run
+    prev = state.read_or_none()
+    if prev is not None and prev.key == key:
+        try:
+            mlflow.MlflowClient().get_run(prev.run_id)
+            return prev.run_id, True
+        except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
+            console.print(f"[yellow]train[/]: MLflow run {prev.run_id} not found; starting a new one")
     mlflow.set_experiment(EXPERIMENT)
     tags = dict(tags or {})
     name = tags.pop("mlflow.runName", f"train-{time.strftime('%Y%m%d-%H%M%S')}")
     run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name(EXPERIMENT).experiment_id, tags=tags,
                                             run_name=name)
-    write_json_atomic(state, {"key": key, "run_id": run.info.run_id})
+    state.write(RunState(key=key, run_id=run.info.run_id))
     return run.info.run_id, False
 
 
@@ -345,9 +351,9 @@ def _last_logged_step(run_id: str) -> int:
 
 
 def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
-    state = out_dir / "run.json"
-    if state.exists() and json.loads(state.read_text()).get("key") != key:
-        old = json.loads(state.read_text()).get("key", "unknown")[:12]
+    state = RunDir(out_dir).run.read_or_none()
+    if state is not None and state.key != key:
+        old = state.key[:12]
         aside = out_dir.parent / f".stale-{out_dir.name}-{old}"
         console.print(f"[yellow]train[/]: params or data changed; the previous run folder moves to {aside}")
         shutil.rmtree(aside, ignore_errors=True)
@@ -369,7 +375,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
 
     manifest = store.read_manifest(store_dir)
     layer_ids = check_layer_ids(params, manifest, store_dir)
-    store_dtype = manifest.get("dtype", "bfloat16")
+    store_dtype = manifest.dtype
     if store_dtype == store.FP8:
         from draftlab.stages.extract import check_dtype
 
@@ -389,11 +395,12 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     if out_dir.exists():
         stop_orphans(out_dir, console)
         _set_aside_if_stale(out_dir, key, console)
+    rd = RunDir(out_dir)
     with exclusive(out_dir):
         console.print(accounting_table(a, params))
         run_id, resumed = _open_run(out_dir, key, console, run_tags)
-        tracker = MlflowTracker(run_id, spool=out_dir / "tracking-spool.jsonl")
-        resumed_step = last_global_step(out_dir / "checkpoints") if resumed else None
+        tracker = MlflowTracker(run_id, spool=rd.spool_path)
+        resumed_step = last_global_step(rd.checkpoints) if resumed else None
         if not resumed:
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
                                 "train.resolved_lr": params.train.resolved_lr(), "device": device,
@@ -406,29 +413,29 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         else:
             tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
             console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
-        write_json_atomic(out_dir / "accounting.json", a.to_json())
-        write_json_atomic(out_dir / "plan.json", {
-            "total_steps": a.total_steps, "step_tokens": step_tokens, "last_logged_step": _last_logged_step(run_id),
+        rd.accounting.write(AccountingRecord(**a.to_json()))
+        rd.plan.write(RankPlan(
+            total_steps=a.total_steps, step_tokens=step_tokens, last_logged_step=_last_logged_step(run_id),
             # for the ETA: where epochs end (validation + checkpoint follow), and their cost
-            "epoch_steps": a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
-            "val_steps": run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device)})
+            epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
+            val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
+            optimizer={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer], store_dir=str(store_dir),
+            verify_reads=params.train.verify_reads))
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
                                 total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device,
                                 store_dtype=store_dtype)
         cmd = torchrun_cmd(params, argv)
-        write_json_atomic(out_dir / "command.json", {"cmd": cmd})
-        (out_dir / "failure.json").unlink(missing_ok=True)
+        rd.command.write(Command(cmd=cmd))
+        rd.failure.unlink()
         from draftlab import threads
 
         # the ranks on this node split this process's threads (torchrun would give each 1, or
         # torch each one per core of the machine)
+        # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
-                   DRAFTLAB_STORE_DIR=str(store_dir), DRAFTLAB_VERIFY_READS=params.train.verify_reads,
-                   DRAFTLAB_PARENT_CMD="torch.distributed.run",
-                   MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
-                   DRAFTLAB_OPTIMIZER={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer])
+                   DRAFTLAB_PARENT_CMD="torch.distributed.run", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
@@ -439,7 +446,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             try:
                 procs.clear_recorded(out_dir)
                 proc = procs.spawn(cmd, env=env)
-                write_json_atomic(out_dir / "launch.json", {"pgid": proc.pid})
+                rd.launch_file().write(Launch(pgid=proc.pid))
                 try:
                     rc = proc.wait()
                 except KeyboardInterrupt:
@@ -448,30 +455,29 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             finally:
                 sampler.stop()
                 procs.kill_recorded(out_dir)  # a rank that outlived torchrun (it should not) goes now
-        (out_dir / "launch.json").unlink(missing_ok=True)
+        rd.launch_file().unlink()
         wall = time.perf_counter() - started
         launcher_cpu = time.process_time() - launcher_cpu
         client = mlflow.MlflowClient()
         if rc != 0:
-            failure = out_dir / "failure.json"
-            why = json.loads(failure.read_text())["message"] if failure.exists() else f"torchrun exited with {rc}"
+            failure = rd.failure.peek()
+            why = failure.message if failure is not None else f"torchrun exited with {rc}"
             client.set_terminated(run_id, "FAILED")
-            logs = out_dir / "logs"  # speculators creates it late: name it only if it is there
+            logs = rd.logs  # speculators creates it late: name it only if it is there
             see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
             raise TrainingFailed(f"train: {why}; {see}")
 
-        observed_steps = last_global_step(out_dir / "checkpoints")
+        observed_steps = last_global_step(rd.checkpoints)
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
-                                      run_timing.epoch_end_steps(out_dir / "checkpoints"))
-        write_json_atomic(out_dir / "accounting-check.json", {"problems": problems, "observed_steps": observed_steps})
-        tracker.log_artifact(out_dir / "accounting.json")
-        tracker.log_artifact(out_dir / "accounting-check.json")
+                                      run_timing.epoch_end_steps(rd.checkpoints))
+        rd.accounting_check.write(AccountingCheck(problems=problems, observed_steps=observed_steps))
+        tracker.log_artifact(rd.accounting.path)
+        tracker.log_artifact(rd.accounting_check.path)
         if problems:
             client.set_terminated(run_id, "FAILED")
             raise TrainingFailed("train: accounting mismatch: " + "; ".join(problems))
-        best = out_dir / "checkpoints" / "checkpoint_best"
-        checkpoint = best.resolve() if best.exists() else max(
-            (out_dir / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
+        best = rd.checkpoints / "checkpoint_best"
+        checkpoint = best.resolve() if best.exists() else max(rd.checkpoints.glob("[0-9]*"), key=lambda p: int(p.name))
         tracker.set_tags({"draftlab.checkpoint": str(checkpoint), "draftlab.accounting": "verified"})
         for f in ("config.json", "model.safetensors"):
             tracker.log_artifact(checkpoint / f, "checkpoint")
@@ -484,11 +490,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         harness = run_timing.harness_cpu(out_dir, launcher_cpu, a.total_steps)
         tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
         timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, started_at, time.time(), tracker)
-        result = {"run_id": run_id, "checkpoint": str(checkpoint), "total_steps": a.total_steps,
-                  "world_size": a.world_size, "wall_clock_s": round(wall, 2), "tokens_per_s": round(tokens_per_s, 1),
-                  "accounting": "verified", "bottleneck": verdict.overall.label,
-                  "calibration": params.train.max_steps is not None, "timing": timing, "harness_cpu": harness}
-        write_json_atomic(out_dir / "train.json", result)
+        rd.train.write(TrainRecord(
+            run_id=run_id, checkpoint=str(checkpoint), total_steps=a.total_steps, world_size=a.world_size,
+            wall_clock_s=round(wall, 2), tokens_per_s=round(tokens_per_s, 1), accounting="verified",
+            bottleneck=verdict.overall.label, calibration=params.train.max_steps is not None, timing=timing,
+            harness_cpu=harness))
         client.set_terminated(run_id, "FINISHED")
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
                   f"checkpoint {checkpoint}; MLflow run {run_id}")

@@ -131,14 +131,15 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     devices, gpu = resolve_devices(spec, base, devices_flag)
     out_dir = out_dir / spec.study
     url = storage_url(spec, out_dir)
-    for path, what in ((data_dir, "prepared dataset"), (store_dir / "manifest.json", "hidden-state store")):
+    from draftlab import store
+
+    for path, what in ((data_dir, "prepared dataset"), (store.manifest_path(store_dir), "hidden-state store")):
         if not path.exists():
             raise SpaceError(f"{path}: no {what}; run `dvc repro extract` first (every trial trains on it)")
     check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
     mlflow.set_tracking_uri(tracking_uri())
     reused: dict[int, Point] = {}
     if spec.calibration.reuse:
-        from draftlab import store
         from draftlab.stages.train import _device_tags
 
         from draftlab.costmodel import points_from_mlflow

@@ -12,7 +12,6 @@ session of its own) with SIGTERM then SIGKILL, and mark a killed trial's MLflow 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from draftlab.rundir import TrialDir, TrialInfo, TrialResult
 from draftlab.sweep.budget import Outcome, TrialSpec
-from draftlab.util import write_json_atomic
 
 
 def objective_of(metric: str, eval_metrics: dict, run_id: str) -> float:
@@ -73,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftlab.tracking import MlflowTracker
 
     out = Path(a.out)
+    trial = TrialDir(out)
     started = time.time()
-    result: dict = {"ok": False}
     try:
         params = load_params(a.params)
         tags = {"draftlab.sweep.study": a.study, "draftlab.sweep.trial": str(a.trial), "draftlab.sweep.role": a.role,
@@ -82,30 +81,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.parent_run_id:
             tags["mlflow.parentRunId"] = a.parent_run_id
         tr = train.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
-                       out_dir=out / "train", run_tags=tags, started_at=started)
+                       out_dir=trial.train.path, run_tags=tags, started_at=started)
         tracker = MlflowTracker(tr.run_id)
         # a calibration is evaluated too: its evaluate time is part of every trial's cost
         ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
-                          train_dir=out / "train", out_dir=out / "reports", tracker=tracker)
+                          train_dir=trial.train.path, out_dir=trial.reports, tracker=tracker)
         value = None if a.role == "calibration" else objective_of(a.metric, ev.metrics, tr.run_id)
-        timing = json.loads((out / "train" / "train.json").read_text())["timing"] or {}
+        timing = trial.train.train.read().timing or {}
         wall = time.time() - started
         # timing/after_s lets later sweeps take this run as a calibration (costmodel.points_from_mlflow)
         tracker.log_metrics({"sweep/trial_wall_s": wall, "timing/after_s": max(wall - timing.get("wall_s", wall), 0.0),
                              **({} if value is None else {"sweep/objective": value})})
-        result = {"ok": True, "objective": value, "run_id": tr.run_id, "timing": timing, "wall_s": wall}
+        result = TrialResult(ok=True, objective=value, run_id=tr.run_id, timing=timing, wall_s=wall)
         rc = 0
     except KeyboardInterrupt:
-        result = {"ok": False, "message": "stopped by the sweep (SIGTERM)"}
-        rc = 143
+        result, rc = TrialResult(ok=False, message="stopped by the sweep (SIGTERM)"), 143
     except ParamsError as err:
-        result = {"ok": False, "message": str(err)}
-        rc = 2
+        result, rc = TrialResult(ok=False, message=str(err)), 2
     except Exception as err:  # noqa: BLE001 — the sweep records why and goes on
-        result = {"ok": False, "message": f"{type(err).__name__}: {err}"}
-        rc = 1
-    result.setdefault("wall_s", time.time() - started)
-    write_json_atomic(out / "result.json", result)
+        result, rc = TrialResult(ok=False, message=f"{type(err).__name__}: {err}"), 1
+    if result.wall_s is None:
+        result.wall_s = time.time() - started
+    trial.result.write(result)
     return rc
 
 
@@ -127,21 +124,18 @@ def _signal_groups(pgids: Sequence[int], sig: int, trial_dir: Path | None = None
 
 
 def _torchrun_pgid(trial_dir: Path) -> int | None:
-    launch = trial_dir / "train" / "launch.json"
-    try:
-        return json.loads(launch.read_text()).get("pgid")
-    except (OSError, ValueError):
-        return None
+    launch = TrialDir(trial_dir).train.launch_file().peek()
+    return launch.pgid if launch is not None else None
 
 
 def _mark_run(trial_dir: Path, status: str) -> None:
     """A trial killed mid-training leaves its MLflow run RUNNING: end it as `status`."""
-    state = trial_dir / "train" / "run.json"
-    if not state.exists():
+    state = TrialDir(trial_dir).train.run.peek()
+    if state is None:
         return
     import mlflow
 
-    run_id = json.loads(state.read_text()).get("run_id")
+    run_id = state.run_id
     try:
         client = mlflow.MlflowClient()
         if client.get_run(run_id).info.status == "RUNNING":
@@ -167,23 +161,22 @@ class ProcessHandle:
             return None
         self._log.close()
         _signal_groups(self._groups(), signal.SIGKILL, self.trial_dir)  # ranks never outlive their trial
-        result_path = self.trial_dir / "result.json"
-        res = json.loads(result_path.read_text()) if result_path.exists() else {}
-        if not res.get("ok"):
+        trial = TrialDir(self.trial_dir)
+        res = trial.result.peek() or TrialResult(ok=False)  # none, or torn: the process died first
+        if not res.ok:
             _mark_run(self.trial_dir, "KILLED" if rc < 0 or rc == 143 else "FAILED")
-        message = res.get("message") or f"trial process exited with {rc}; see {self.trial_dir / 'trial.log'}"
-        return Outcome(bool(res.get("ok")), res.get("objective"), float(res.get("wall_s", time.time() - self._started)),
-                       res.get("run_id"), message, res.get("timing"))
+        message = res.message or f"trial process exited with {rc}; see {trial.log_path}"
+        wall = res.wall_s if res.wall_s is not None else time.time() - self._started
+        return Outcome(res.ok, res.objective, float(wall), res.run_id, message, res.timing)
 
     def intermediate(self) -> dict[int, float]:
-        state = self.trial_dir / "train" / "run.json"
-        if not state.exists():
+        state = TrialDir(self.trial_dir).train.run.peek()
+        if state is None:
             return {}
         import mlflow
 
         try:
-            run_id = json.loads(state.read_text())["run_id"]
-            return epoch_values(mlflow.MlflowClient(), run_id, self.metric, self.ttt_steps)
+            return epoch_values(mlflow.MlflowClient(), state.run_id, self.metric, self.ttt_steps)
         except Exception:  # noqa: BLE001 — a busy store: try again next time
             return {}
 
@@ -212,7 +205,7 @@ class ProcessLauncher:
         n = len(spec.devices)
         total = threads.budget()
         share = min(n, total) if not self.gpu_slots else max(total * n // max(self.total_slots, n), 1)
-        env = threads.thread_env(1, dict(os.environ, DRAFTLAB_DEVICE_SLOTS=",".join(spec.devices)), total=share)
+        env = threads.thread_env(1, dict(os.environ), total=share)
         if self.gpu_slots:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices)
         return env
@@ -220,18 +213,18 @@ class ProcessLauncher:
     def start(self, spec: TrialSpec) -> ProcessHandle:
         import yaml
 
+        trial = TrialDir(spec.trial_dir)
         spec.trial_dir.mkdir(parents=True, exist_ok=True)
-        params_path = spec.trial_dir / "params.yaml"
+        params_path = trial.params_path
         params_path.write_text(yaml.safe_dump(spec.params.model_dump(), sort_keys=False))
-        write_json_atomic(spec.trial_dir / "trial.json", {"number": spec.number, "values": spec.values,
-                                                          "devices": spec.devices, "role": spec.role})
+        trial.info.write(TrialInfo(number=spec.number, values=spec.values, devices=spec.devices, role=spec.role))
         cmd = [sys.executable, "-m", "draftlab.sweep.trial", "--params", str(params_path), "--out", str(spec.trial_dir),
                "--target", str(self.target_dir), "--data", str(self.data_dir), "--store", str(self.store_dir),
                "--study", self.study, "--metric", self.metric, "--trial", str(spec.number), "--role", spec.role]
         if self.parent_run_id:
             cmd += ["--parent-run-id", self.parent_run_id]
         env = self.env_for(spec)
-        log = open(spec.trial_dir / "trial.log", "ab")  # noqa: SIM115 — closed by the handle
+        log = open(trial.log_path, "ab")  # noqa: SIM115 — closed by the handle
         from draftlab import procs
 
         proc = procs.spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # dies with this worker

@@ -1,0 +1,384 @@
+"""The files stages and processes hand each other, as typed records with one reader and writer.
+
+Every JSON file a stage, the launcher, a rank or a sweep trial writes for another to read is a
+pydantic model here, and its name is known only here:
+
+    <store>/manifest.json           Manifest       extract → verify, train, evaluate, export, plan
+    <store>/.journal.jsonl          (store.Journal) extraction's resume record
+    <run>/run.json                  RunState       the MLflow run this folder resumes, and its key
+    <run>/launch.json               Launch         torchrun's process group (stop_orphans, the sweep)
+    <run>/.lock                     (flock)        one launcher per folder
+    <run>/plan.json                 RankPlan       launcher → ranks: steps, tokens, ETA priors, settings
+    <run>/accounting.json           AccountingRecord  the exact step accounting (an MLflow artifact)
+    <run>/accounting-check.json     AccountingCheck   what the ranks did against it
+    <run>/failure.json              Failure        a rank → the launcher: why training stopped
+    <run>/command.json              Command        the torchrun command line
+    <run>/timing.json               Timing         the cost model's measurements of the run
+    <run>/rank0-done.json           RankDone       rank 0 → the launcher: its observers' CPU time
+    <run>/train.json                TrainRecord    train → evaluate, export, sweep trials
+    <trial>/trial.json              TrialInfo      the sweep → its record of what a trial is
+    <trial>/result.json             TrialResult    a trial process → the sweep
+
+Writes are atomic (a kill -9 leaves the old file or the new one); a file that is missing where
+it must be, or is partial or malformed, is one line naming it and what to do (`RunFileError`,
+exit 2). A record is written with the fields it was given, so a file read and written again
+keeps its bytes. The lock and launch files are per node (`node_rank`); node 0 has the names
+single-node runs always had.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+
+from draftlab.errors import RunFileError
+from draftlab.util import write_json_atomic
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _problem(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the top level"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
+
+
+class JsonFile(Generic[M]):
+    """One run-folder file of one model: read, write (atomic), exists, unlink."""
+
+    def __init__(self, path: Path, model: type[M], remedy: str):
+        self.path, self.model, self.remedy = Path(path), model, remedy
+
+    def __repr__(self) -> str:
+        return f"JsonFile({self.path}, {self.model.__name__})"
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def parse(self, text: str) -> M:
+        try:
+            return self.model.model_validate_json(text)
+        except ValidationError as err:
+            if any(e["type"] == "json_invalid" for e in err.errors()):
+                why = "partial or not JSON" if text.strip() else "empty"
+            else:
+                why = f"malformed ({_problem(err)})"
+            raise RunFileError(f"{self.path}: {why}; {self.remedy}") from None
+
+    def read(self) -> M:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            raise RunFileError(f"{self.path}: not found; {self.remedy}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise RunFileError(f"{self.path}: unreadable ({err}); {self.remedy}") from None
+        return self.parse(text)
+
+    def read_or_none(self) -> M | None:
+        """None when the file is not there (yet); a malformed one still raises."""
+        return self.read() if self.exists() else None
+
+    def peek(self) -> M | None:
+        """Best effort, for a watcher of a process that may be writing it: None on any problem."""
+        try:
+            return self.read_or_none()
+        except RunFileError:
+            return None
+
+    def write(self, value: M) -> None:
+        if not isinstance(value, self.model):
+            raise TypeError(f"{self.path}: expects a {self.model.__name__}, got {type(value).__name__}")
+        write_json_atomic(self.path, value.model_dump(mode="json", exclude_unset=True))
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the hidden-state store
+
+
+class StoreFile(Record):
+    index: int
+    name: str
+    bytes: int
+    sha256: str
+    tokens: int
+
+
+class TargetInfo(Record):
+    path: str | None = None
+    source: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int | None = None
+
+
+class Manifest(Record):
+    """What a store holds; written last by extract (either backend), so its presence means done."""
+
+    key: str
+    key_fields: dict[str, Any] | None = None
+    target: TargetInfo
+    layer_ids: list[int] = Field(min_length=3, max_length=3, description="the 3 auxiliary layers, "
+                                 "before the final one; the draft is trained and served with exactly these")
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = "bfloat16"
+    compute: dict[str, Any] | None = None
+    num_files: int
+    num_tokens: int
+    total_bytes: int
+    bytes_per_token_analytic: int | None = None
+    files: list[StoreFile]
+
+
+EXTRACT = "run `draftlab extract` (or `dvc repro extract`)"
+
+
+class StoreDir:
+    """A hidden-state store folder (see draftlab.store for its layout)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def manifest(self) -> JsonFile[Manifest]:
+        return JsonFile(self.path / "manifest.json", Manifest, f"{EXTRACT}: it rewrites the manifest")
+
+    @property
+    def journal_path(self) -> Path:
+        return self.path / ".journal.jsonl"
+
+
+# ---------------------------------------------------------------- a training run folder
+
+
+class RunState(Record):
+    key: str
+    run_id: str
+
+
+class Launch(Record):
+    pgid: int
+
+
+class RankPlan(Record):
+    """What the launcher tells its ranks: the accounting's steps and tokens (perf/*), where the
+    ETA starts, and the settings a rank needs beyond speculators' flags."""
+
+    total_steps: int
+    step_tokens: list[int] = Field(default_factory=list, description="real (unpadded) tokens of every global step")
+    last_logged_step: int = Field(-1, description="steps up to here are in the MLflow run already (a resume)")
+    epoch_steps: list[int] = Field(default_factory=list, description="global steps of each epoch (for the ETA)")
+    val_steps: int = 0
+    epoch_s_prior: float | None = None
+    tail_s_prior: float | None = None
+    optimizer: str = Field("AdamW", description="speculators' optimizer name, as in its `lr/<optimizer>` metric")
+    store_dir: str | None = Field(None, description="the store whose manifest every rank's reads are checked against")
+    verify_reads: Literal["sha256", "header"] = "sha256"
+
+
+class EpochRecord(Record):
+    epoch: int
+    steps: int
+    samples_used: int
+    dropped_samples: int
+    rank_digests: list[str]
+    rank_samples: list[int]
+
+
+class AccountingRecord(Record):
+    """draftlab.accounting.Accounting.to_json(): the plan and its MLflow params."""
+
+    world_size: int
+    train_samples: int
+    train_tokens: int
+    train_loss_tokens: int
+    total_seq_len: int
+    epochs: list[EpochRecord]
+    max_steps: int | None = None
+    trained_steps: list[int] = Field(default_factory=list)
+    steps_per_epoch: list[int]
+    total_steps: int
+    tokens_per_step: int
+    dropped_samples: list[int]
+    steps_per_epoch_list: list[int]
+    trained_steps_per_epoch: list[int] | None = None
+
+
+class AccountingCheck(Record):
+    problems: list[str]
+    observed_steps: int | None
+
+
+class Failure(Record):
+    reason: str
+    message: str
+
+
+class Command(Record):
+    cmd: list[str]
+
+
+class Timing(RootModel[dict[str, float]]):
+    """costmodel.step_timing of a run (timing/* in MLflow)."""
+
+
+class RankDone(Record):
+    harness_cpu_s: dict[str, float] = Field(default_factory=dict,
+                                            description="CPU seconds of rank 0's observers, by name")
+
+
+class TrainRecord(Record):
+    """A finished training: what evaluate, export and a sweep trial read."""
+
+    run_id: str
+    checkpoint: str
+    total_steps: int
+    world_size: int
+    wall_clock_s: float
+    tokens_per_s: float
+    accounting: str
+    bottleneck: str
+    calibration: bool = False
+    timing: dict[str, float] | None = None
+    harness_cpu: dict[str, Any] | None = None
+
+
+TRAIN = "run `draftlab train` (or `dvc repro train`)"
+
+
+class RunDir:
+    """A training run folder (the train stage's output, or a sweep trial's `train/`)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.path})"
+
+    @property
+    def run(self) -> JsonFile[RunState]:
+        return JsonFile(self.path / "run.json", RunState,
+                        "delete it to start a new MLflow run in this folder")
+
+    def lock_path(self, node_rank: int = 0) -> Path:
+        return self.path / (".lock" if node_rank == 0 else f".lock-node{node_rank}")
+
+    def launch_file(self, node_rank: int = 0) -> JsonFile[Launch]:
+        name = "launch.json" if node_rank == 0 else f"launch-node{node_rank}.json"
+        return JsonFile(self.path / name, Launch, "no launcher is running: delete it")
+
+    @property
+    def plan(self) -> JsonFile[RankPlan]:
+        return JsonFile(self.path / "plan.json", RankPlan, f"{TRAIN}: the launcher rewrites it")
+
+    @property
+    def accounting(self) -> JsonFile[AccountingRecord]:
+        return JsonFile(self.path / "accounting.json", AccountingRecord, f"{TRAIN}: the launcher rewrites it")
+
+    @property
+    def accounting_check(self) -> JsonFile[AccountingCheck]:
+        return JsonFile(self.path / "accounting-check.json", AccountingCheck, f"{TRAIN}: it is rewritten")
+
+    @property
+    def failure(self) -> JsonFile[Failure]:
+        return JsonFile(self.path / "failure.json", Failure, "see the training's output; delete it and retrain")
+
+    @property
+    def command(self) -> JsonFile[Command]:
+        return JsonFile(self.path / "command.json", Command, f"{TRAIN}: the launcher rewrites it")
+
+    @property
+    def timing(self) -> JsonFile[Timing]:
+        return JsonFile(self.path / "timing.json", Timing, f"{TRAIN}: it is rewritten")
+
+    @property
+    def rank_done(self) -> JsonFile[RankDone]:
+        return JsonFile(self.path / "rank0-done.json", RankDone, f"{TRAIN}: rank 0 rewrites it")
+
+    @property
+    def train(self) -> JsonFile[TrainRecord]:
+        return JsonFile(self.path / "train.json", TrainRecord, f"{TRAIN}: it rewrites this record")
+
+    @property
+    def spool_path(self) -> Path:
+        """MLflow records kept while the tracking store is unreachable (`draftlab tracking-import`)."""
+        return self.path / "tracking-spool.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def samples_dir(self) -> Path:
+        """Each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out, per epoch."""
+        return self.path / "samples"
+
+    def samples_file(self, rank: int) -> Path:
+        return self.samples_dir / f"rank{rank}.jsonl"
+
+    @property
+    def bottleneck_path(self) -> Path:
+        return self.path / "bottleneck.json"
+
+
+# ---------------------------------------------------------------- a sweep trial folder
+
+
+class TrialInfo(Record):
+    number: int
+    values: dict[str, Any]
+    devices: list[str]
+    role: str
+
+
+class TrialResult(Record):
+    ok: bool
+    objective: float | None = None
+    run_id: str | None = None
+    timing: dict[str, float] | None = None
+    wall_s: float | None = None
+    message: str | None = None
+
+
+class TrialDir:
+    """One sweep trial's folder: its params, its record, its result, its training run folder."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def info(self) -> JsonFile[TrialInfo]:
+        return JsonFile(self.path / "trial.json", TrialInfo, "the sweep rewrites it when it starts the trial")
+
+    @property
+    def result(self) -> JsonFile[TrialResult]:
+        return JsonFile(self.path / "result.json", TrialResult, "delete it; the sweep re-runs the trial")
+
+    @property
+    def params_path(self) -> Path:
+        return self.path / "params.yaml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "trial.log"
+
+    @property
+    def train(self) -> RunDir:
+        return RunDir(self.path / "train")
+
+    @property
+    def reports(self) -> Path:
+        return self.path / "reports"
+
