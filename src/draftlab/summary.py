@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 from draftlab.params import Params
+from draftlab.rundir import RunDir, StoreDir
 
 OUTPUTS = [
     ("target", Path("models/target"), Path("reports/target.json")),
     ("prepare", Path("data/prepared"), Path("data/prepared/prepare.json")),
-    ("extract", Path("data/hidden_states"), Path("data/hidden_states/manifest.json")),
-    ("train", Path("runs/train"), Path("runs/train/train.json")),
+    ("extract", Path("data/hidden_states"), StoreDir(Path("data/hidden_states")).manifest.path),
+    ("train", Path("runs/train"), RunDir(Path("runs/train")).train.path),
     ("evaluate", Path("reports"), Path("reports/metrics.json")),
     ("export", Path("models/draft"), Path("models/draft/export.json")),
 ]
