@@ -51,7 +51,7 @@ def plain_optuna(args, spec, base, tmp: Path, tag: str) -> dict:
     from optuna.storages.journal import JournalFileBackend
 
     from draftlab.sweep.budget import TrialSpec
-    from draftlab.sweep.loop import suggest
+    from draftlab.sweep.propose import suggest
     from draftlab.sweep.space import trial_params
     from draftlab.sweep.trial import ProcessLauncher
 

@@ -263,9 +263,11 @@ def sweep(
                                devices_flag=devices, n_trials=n_trials)
 
     try:
-        _guard(go)
+        summary = _guard(go)
     except SpaceError as err:
         _fail(str(err))
+    if "best" not in summary:  # the study has no completed trial: the line above said why
+        raise typer.Exit(1)
 
 
 @app.command()

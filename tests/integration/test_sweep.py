@@ -118,7 +118,12 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     assert summary["spent_s"] <= wall_first + wall_second + 1, "the downtime between the runs is not counted"
     assert summary["spent_s"] >= wall_first - 6, "the first run's time is still counted after the kill"
     rows = (study_dir / "report" / "trials.csv").read_text().splitlines()
-    assert len(rows) == len(trials) + 1 and "interrupted" in "\n".join(rows)
+    from draftlab.sweep.propose import rejected
+
+    assert len(rows) == len(trials) + len(rejected(study)) + 1 and "interrupted" in "\n".join(rows)
+    assert study.metric_names == ["eval/simulated_acc_len"]
+    assert all(t.user_attrs.get("run_id") for t in trials if t.user_attrs.get("trial_dir")), \
+        "every launched trial (the killed one too) has its MLflow run id in the study"
     assert summary["trials"]["completed"] >= 1 and summary["trials"]["calibration"] == 1
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])

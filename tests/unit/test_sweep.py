@@ -4,149 +4,18 @@ device packing, resume after a dead worker, and two workers sharing one budget."
 
 from __future__ import annotations
 
-import math
 import subprocess
-from pathlib import Path
 
 import pytest
-import yaml
 
-from draftlab.params import parse_params
 from draftlab.compat import steps_under_max_steps
 from draftlab.costmodel import CostModel, Point
 from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, steps_from_lengths, union_s
-from draftlab.sweep.loop import Worker
-from draftlab.sweep.report import pareto_front
+from draftlab.sweep.propose import rejected
+from draftlab.sweep.report import pareto_front, trial_rows
 from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
-from draftlab.sweep.study import open_storage, open_study
-
-GRACE = 10.0
-POLL = 1.0
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_000_000.0):
-        self.t = t
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        self.t += seconds
-
-
-# The simulated machine: start-up 20 s, 2 s per global step at 1 GPU (2.2 s at 2: communication),
-# 3 s per epoch boundary; 40 packed rows per epoch, sharded over the ranks.
-FIXED, EPOCH_S = 20.0, 3.0
-STEP_S = {1: 2.0, 2: 2.2}
-
-
-def sim_steps(params) -> int:
-    """What the trainer runs: 40 rows per epoch sharded, a calibration cut by max_steps as speculators cuts it."""
-    per_epoch = [math.ceil(40 / params.train.gpus)] * params.train.epochs
-    return sum(steps_under_max_steps(per_epoch, params.train.max_steps))
-
-
-def sim_duration(params) -> float:
-    n = params.train.gpus
-    return FIXED + sim_steps(params) * STEP_S[n] + params.train.epochs * EPOCH_S
-
-
-def sim_quality(params) -> float:  # more epochs help; lr best near 3e-3
-    return 1 + 0.1 * params.train.epochs - 0.2 * abs(math.log10(params.train.lr / 3e-3))
-
-
-class SimHandle:
-    def __init__(self, launcher, spec, clock, duration, honors_sigterm):
-        self.launcher, self.spec, self.clock = launcher, spec, clock
-        self.start, self.duration, self.honors_sigterm = clock.now(), duration, honors_sigterm
-        self.pgids = [10_000 + spec.number]
-        self.terminated_at = self.killed_at = None
-
-    def poll(self):
-        now = self.clock.now()
-        if self.killed_at is not None:
-            return Outcome(False, None, self.killed_at - self.start, message="killed")
-        if self.terminated_at is not None and self.honors_sigterm and now >= self.terminated_at + 2:
-            return Outcome(False, None, now - self.start, message="stopped by the sweep (SIGTERM)")
-        if now - self.start >= self.duration:
-            p = self.spec.params
-            timing = {"steps": sim_steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
-                      "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus],
-                      "wall_s": self.duration, "stable": self.launcher.settled(self.spec)}
-            value = None if self.spec.role == "calibration" else sim_quality(p)  # as draftlab.sweep.trial reports
-            return Outcome(True, value, self.duration, run_id=f"run{self.spec.number}", timing=timing)
-        return None
-
-    def intermediate(self):
-        elapsed = self.clock.now() - self.start
-        per_epoch = (self.duration - FIXED) / self.spec.params.train.epochs
-        done = int(max(elapsed - FIXED / 2, 0) // per_epoch)
-        return {e: self.launcher.epoch_value(self.spec.params, e) for e in range(min(done, self.spec.params.train.epochs))}
-
-    def terminate(self):
-        self.terminated_at = self.clock.now()
-
-    def kill(self):
-        if self.killed_at is None:
-            self.killed_at = self.clock.now()
-
-
-class SimLauncher:
-    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None, settled=None):
-        self.clock, self.duration, self.honors_sigterm = clock, duration, honors_sigterm
-        self.settled = settled or (lambda spec: True)
-        self.epoch_value = epoch_value or (lambda p, e: sim_quality(p) - 0.05 * (p.train.epochs - e))
-        self.started: list = []  # (spec, start time, handle)
-        self.reaped: list = []
-
-    def start(self, spec):
-        h = SimHandle(self, spec, self.clock, self.duration(spec.params), self.honors_sigterm)
-        self.started.append((spec, self.clock.now(), h))
-        return h
-
-    def reap(self, trial_dir, pgids, host):
-        self.reaped.append((Path(trial_dir).name, list(pgids), host))
-
-    def max_concurrent(self) -> int:
-        events = sorted([(t, 1) for _, t, h in self.started] +
-                        [(t + (h.killed_at or h.start + h.duration) - h.start, -1) for _, t, h in self.started],
-                        key=lambda e: (e[0], e[1]))
-        cur = best = 0
-        for _, d in events:
-            cur += d
-            best = max(best, cur)
-        return best
-
-
-BASE = parse_params({"train": {"epochs": 2, "lr": 3e-3}})
-
-
-def make_spec(tmp_path, **over):
-    raw = {"study": "sim", "budget": 600, "stop_grace_s": GRACE, "safety_margin": 0.1,
-           "pruner": {"kind": "none"}, "calibration": {"steps": 20, "max_s": 200},
-           "space": {"train.epochs": {"low": 1, "high": 4}, "train.lr": {"low": 1e-3, "high": 1e-2, "log": True},
-                     "train.gpus": {"choices": [1, 2]}}}
-    raw.update(over)
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return read_spec(path)
-
-
-def make_worker(tmp_path, spec, clock, launcher, *, devices=("cpu0", "cpu1"), host="hostA", pid=None,
-                n_trials=None, journal="journal.log"):
-    study = open_study(spec, open_storage(str(tmp_path / journal)), BASE)
-    return Worker(spec, BASE, study, launcher=launcher, clock=clock, devices=list(devices), out_dir=tmp_path / "sweep",
-                  steps_fn=sim_steps, n_trials=n_trials, log=lambda line: None, host=host, pid=pid)
-
-
-def run_to_end(worker, clock, limit=100_000):
-    worker.start()
-    for _ in range(limit):
-        if worker.step():
-            return worker.done_reason
-        clock.sleep(POLL)
-    raise AssertionError("the sweep did not end")
+from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_to_end,
+                             sim_duration, sim_steps)
 
 
 def statuses(study):
@@ -284,12 +153,14 @@ def test_never_over_budget_rejects_what_cannot_fit_before_it_starts(tmp_path):
     run_to_end(w, clock)
     assert clock.now() - t0 <= 900 + GRACE + 2 * POLL
     assert w.ledger.spent_s() == pytest.approx(clock.now() - t0)
-    rejected = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "rejected"]
-    assert rejected, "late proposals that cannot finish are rejected"
+    refused = rejected(w.study)
+    assert refused, "late proposals that cannot finish are rejected"
     started_numbers = {s.number for s, _, _ in launcher.started}
-    for t in rejected:
-        assert t.number not in started_numbers, "a rejected trial costs nothing: never launched"
-        assert "does not fit the budget" in t.user_attrs["reason"] or "cap" in t.user_attrs["reason"]
+    assert {t.number for t in w.study.get_trials()} == started_numbers, \
+        "a rejected proposal costs nothing: never launched, and never a trial of the study"
+    for r in refused:
+        assert "does not fit the budget" in r["reason"] or "cap" in r["reason"]
+        assert r["predicted_s"] > 0
     for spec_, start, h in launcher.started:  # every launched trial ends before budget + grace
         end = start + (h.killed_at - h.start if h.killed_at else h.duration)
         assert end - t0 <= 900 + GRACE + 2 * POLL
@@ -314,6 +185,7 @@ def test_a_trial_that_overruns_its_cap_is_stopped_then_killed(tmp_path):
         assert h.terminated_at - h.start == pytest.approx(150, abs=POLL), "SIGTERM at the cap"
         assert h.killed_at - h.terminated_at == pytest.approx(GRACE, abs=POLL), "SIGKILL after the stated grace"
         assert t.state.name == "PRUNED"
+        assert t.user_attrs["run_id"] == f"run{t.number}", "a stopped trial keeps its MLflow run"
 
 
 def test_pruner_stops_trials_whose_epochs_fall_behind(tmp_path):
@@ -322,10 +194,19 @@ def test_pruner_stops_trials_whose_epochs_fall_behind(tmp_path):
     spec = make_spec(tmp_path, budget=5000, pruner={"kind": "median", "startup_trials": 2, "warmup_epochs": 0},
                      space={"train.epochs": {"choices": [4]}, "train.lr": {"choices": [2e-3, 9e-3]},
                             "train.gpus": {"choices": [1]}}, calibration={"steps": 20, "max_s": 400})
-    w = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",), n_trials=8)
-    run_to_end(w, clock)
-    pruned = [t for t in w.study.get_trials() if t.user_attrs.get("status") == "pruned"]
-    assert pruned and all(t.params["train.lr"] == 9e-3 for t in pruned)
+    w = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",), n_trials=7)
+    order = [2e-3, 2e-3, 9e-3, 2e-3, 9e-3, 9e-3]  # two good ones complete first: the median to beat
+    w.start()  # queues the calibration first
+    for lr in order:
+        w.study.enqueue_trial({"train.epochs": 4, "train.lr": lr, "train.gpus": 1})
+    while not w.step():
+        clock.sleep(POLL)
+    search = [t for t in w.study.get_trials() if t.user_attrs.get("role") == "search"]
+    assert [t.params["train.lr"] for t in search] == order
+    assert [t.user_attrs["status"] for t in search] == ["completed", "completed", "pruned", "completed", "pruned",
+                                                        "pruned"]
+    pruned = [t for t in search if t.user_attrs["status"] == "pruned"]
+    assert all(t.user_attrs["run_id"] == f"run{t.number}" for t in pruned), "a pruned trial keeps its MLflow run"
     for t in pruned:
         h = next(h for s, _, h in launcher.started if s.number == t.number)
         assert h.terminated_at - h.start < h.duration, "stopped before it would have finished"
@@ -453,3 +334,94 @@ def test_an_unsettled_calibration_is_redone_with_twice_the_steps(tmp_path):
     assert [s.params.train.max_steps for s in cal] == [20, 40]
     assert w.calibration()[1].steps == sum(steps_under_max_steps([40, 40], 40))  # the settled one is kept
 
+
+
+# ---------------------------------------------------------------- what the study and its report show
+
+
+def test_the_study_holds_only_trials_that_ran_rejections_are_in_the_report(tmp_path):
+    """optuna-dashboard draws a timeline bar for every finished trial: a proposal rejected before
+    it starts is no trial of the study, only a row of trials.csv (no number, no state)."""
+    import csv
+
+    from draftlab.sweep.report import report
+
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=900)
+    w = make_worker(tmp_path, spec, clock, launcher)
+    run_to_end(w, clock)
+    assert w.study.metric_names == ["eval/simulated_acc_len"], "the dashboard names the objective"
+    launched = {s.number: s for s, _, _ in launcher.started}
+    assert {t.number for t in w.study.get_trials()} == set(launched)
+    assert rejected(w.study), "the budget of 900 s rejects late proposals"
+    summary = report(w.study, spec, tmp_path / "out", None, spent_s=w.ledger.spent_s(), budget_s=900, ended="x",
+                     model_points={}, efficiency={})
+    with open(tmp_path / "out" / "report" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    refused = [r for r in rows if r["status"] == "rejected"]
+    assert len(refused) == len(rejected(w.study)) == summary["trials"]["rejected"]
+    assert all(r["number"] == "" and r["state"] == "" and "does not fit" in r["reason"] for r in refused)
+    ran = [r for r in rows if r["number"]]
+    assert len(ran) == len(launched) and all(r["run_id"] == f"run{r['number']}" for r in ran), \
+        "every trial that got an MLflow run has its id in trials.csv"
+
+
+def test_a_calibration_over_its_cap_ends_the_sweep_with_nothing_left_running(tmp_path):
+    """Seen under load: the 2-GPU calibration hit its cap while the 1-GPU one ran; the sweep
+    ended with two trials RUNNING in its storage and 0 completed, exit 0."""
+    from draftlab.sweep.loop import drive
+    from draftlab.sweep.report import report
+
+    clock = FakeClock()
+
+    def calibrations_stall(params):  # a calibration is the step-limited training (max_steps)
+        return 10_000.0 if params.train.max_steps else sim_duration(params)
+
+    launcher = SimLauncher(clock, duration=calibrations_stall)
+    spec = make_spec(tmp_path, budget=3000)
+    w = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0", "cpu1", "cpu2"))  # both calibrate at once
+    ended = drive(w, poll_s=POLL)
+    assert "did not finish within 200 s; raise calibration.max_s" in ended
+    assert [s.role for s, _, _ in launcher.started] == ["calibration", "calibration"]
+    assert not [t for t in w.study.get_trials() if t.state.name in ("RUNNING", "WAITING")], \
+        "the other calibration is stopped at its cap too, not left RUNNING"
+    assert sorted(t.user_attrs["status"] for t in w.study.get_trials()) == ["stopped-cap", "stopped-cap"]
+    summary = report(w.study, spec, tmp_path / "out", None, spent_s=w.ledger.spent_s(), budget_s=3000, ended=ended,
+                     model_points={}, efficiency={})
+    assert summary["trials"]["completed"] == 0 and "best" not in summary
+
+
+def test_an_interrupted_worker_leaves_no_trial_running(tmp_path):
+    from draftlab.sweep.loop import drive
+
+    clock = FakeClock()
+    launcher = SimLauncher(clock)
+    w = make_worker(tmp_path, make_spec(tmp_path, budget=3000), clock, launcher)
+
+    def ctrl_c_once_a_search_trial_runs(worker):
+        if any(r.spec.role == "search" for r in worker.running) and clock.now() - worker.running[-1].started > 30:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        drive(w, poll_s=POLL, on_tick=ctrl_c_once_a_search_trial_runs)
+    trials = w.study.get_trials()
+    assert not [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
+    stopped = [t for t in trials if t.user_attrs.get("status") == "interrupted"]
+    assert stopped and all(t.state.name == "FAIL" and t.user_attrs["run_id"] for t in stopped)
+    assert all(h.killed_at is not None for s, _, h in launcher.started if s.number in {t.number for t in stopped})
+
+
+@pytest.mark.parametrize("summary, code", [({"trials": {"completed": 0}}, 1),
+                                           ({"trials": {"completed": 1}, "best": {"trial": 3}}, 0)])
+def test_cli_exits_non_zero_when_the_study_completed_nothing(tmp_path, monkeypatch, summary, code):
+    from typer.testing import CliRunner
+
+    from draftlab.cli import app
+    from draftlab.sweep import study
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("train: {gpus: 1}\n")
+    (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\nspace:\n  train.lr: {low: 0.001, high: 0.01}\n")
+    monkeypatch.setattr(study, "run", lambda *a, **k: summary)
+    assert CliRunner().invoke(app, ["sweep", "space.yaml"]).exit_code == code

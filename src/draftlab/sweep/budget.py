@@ -21,8 +21,8 @@ from draftlab.costmodel import Point
 from draftlab.params import Params
 
 WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
-HEARTBEAT_S = 5.0
-STALE_AFTER_S = 6 * HEARTBEAT_S
+HEARTBEAT_S = 5  # seconds between a worker's heartbeats (its span here; on RDB, its trials' too)
+STALE_AFTER_S = 30  # a worker, and on RDB a trial, silent for this long is taken for dead
 
 
 # ---------------------------------------------------------------- time and trials, injectable
@@ -65,6 +65,7 @@ class Handle(Protocol):
     pgids: list[int]
 
     def poll(self) -> Outcome | None: ...
+    def run_id(self) -> str | None: ...  # the trial's MLflow run, once it has one
     def intermediate(self) -> dict[int, float]: ...
     def terminate(self) -> None: ...
     def kill(self) -> None: ...
@@ -134,8 +135,10 @@ def _pid_alive(pid: int) -> bool:
 class Ledger:
     """This worker's span in the study, and the spent budget over all workers' spans."""
 
-    def __init__(self, study, worker_id: str, clock: Clock, *, host: str, pid: int, devices: list[str]):
+    def __init__(self, study, worker_id: str, clock: Clock, *, host: str, pid: int, devices: list[str],
+                 heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.study, self.worker_id, self.clock = study, worker_id, clock
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.entry = {"host": host, "pid": pid, "start": clock.now(), "last": clock.now(), "devices": devices}
         self._others: dict[str, dict] = {}
         self._written = -1e18
@@ -144,13 +147,13 @@ class Ledger:
     def beat(self, force: bool = False) -> None:
         now = self.clock.now()
         self.entry["last"] = now
-        if force or now - self._written >= HEARTBEAT_S:
+        if force or now - self._written >= self.heartbeat_s:
             self.study.set_user_attr(WORKER_ATTR + self.worker_id, dict(self.entry))
             self._written = now
 
     def workers(self, refresh: bool = False) -> dict[str, dict]:
         now = self.clock.now()
-        if refresh or now - self._read >= HEARTBEAT_S:
+        if refresh or now - self._read >= self.heartbeat_s:
             attrs = self.study.user_attrs
             self._others = {k[len(WORKER_ATTR):]: v for k, v in attrs.items()
                             if k.startswith(WORKER_ATTR) and k[len(WORKER_ATTR):] != self.worker_id}
@@ -170,4 +173,4 @@ class Ledger:
             return True
         if entry["host"] == self.entry["host"] and not _pid_alive(entry["pid"]):
             return True
-        return self.clock.now() - entry["last"] > STALE_AFTER_S
+        return self.clock.now() - entry["last"] > self.stale_after_s

@@ -1,6 +1,11 @@
 """One sweep worker (`Worker`) and the loop that drives it (`drive`): calibration queued first,
-then ask → predict → reject or launch → watch (cap, budget, pruner) → tell. The package
-docstring (draftlab.sweep) says what each state means for the budget.
+then propose → predict → reject or launch → watch (cap, budget, pruner) → tell. The package
+docstring (draftlab.sweep) says what each state means for the budget; draftlab.sweep.propose
+why a proposal becomes a trial of the study only when it is launched; draftlab.sweep.storage
+how workers on one study share a lock and, on RDB storage, Optuna's heartbeat.
+
+A worker never leaves a trial of its own RUNNING when it returns: whatever ends it (done, a
+failed calibration, an exception, Ctrl-C), `drive` stops what still runs and tells the study.
 """
 
 from __future__ import annotations
@@ -15,34 +20,20 @@ from typing import Any, Callable
 
 from draftlab.costmodel import CostModel, Point
 from draftlab.params import Params
+from draftlab.sweep import propose as proposals
 from draftlab.sweep.budget import Clock, Handle, Launcher, Ledger, Outcome, TrialSpec, point_from_outcome
 from draftlab.sweep.space import SweepSpec, trial_params
+from draftlab.sweep.storage import INTERRUPTED_ATTR, StudyStorage
 
 CALIBRATION_ATTR = "draftlab.calibration"
 PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
 INTERMEDIATE_EVERY_S = 5.0
 MAX_CONSECUTIVE_REJECTIONS = 25
 CALIBRATION_EPOCHS = 2  # with train.max_steps: N steps, one epoch boundary, 1 step (compat.steps_under_max_steps)
-QUEUE_DEPTH = 2  # asked trials waiting for slots: the head, and one that may backfill
+QUEUE_DEPTH = 2  # proposals and popped calibrations waiting for slots: the head, and one that may backfill
 
 
 # ---------------------------------------------------------------- one worker
-
-
-def suggest(trial, spec: SweepSpec, base: Params) -> dict[str, Any]:
-    """The trial's values for the space's keys (int or float ranges as the params key's type)."""
-    raw = base.model_dump()
-    out = {}
-    for key, dim in spec.space.items():
-        section, name = key.split(".", 1)
-        is_int = isinstance(raw[section][name], int) and not isinstance(raw[section][name], bool)
-        if dim.choices is not None:
-            out[key] = trial.suggest_categorical(key, dim.choices)
-        elif is_int:
-            out[key] = trial.suggest_int(key, int(dim.low), int(dim.high), step=int(dim.step or 1), log=dim.log)
-        else:
-            out[key] = trial.suggest_float(key, dim.low, dim.high, step=dim.step, log=dim.log)
-    return out
 
 
 def save_calibration(study, point: Point) -> None:
@@ -69,10 +60,11 @@ class Running:
 
 @dataclass
 class Pending:
-    trial: Any
+    trial: Any | None  # optuna.Trial once it is in the study: a popped (calibration, enqueued) trial
     values: dict[str, Any]
     params: Params
     role: str
+    distributions: dict = field(default_factory=dict)  # a proposal's, for its trial at launch
 
 
 class Worker:
@@ -83,17 +75,22 @@ class Worker:
     def __init__(self, spec: SweepSpec, base: Params, study, *, launcher: Launcher, clock: Clock,
                  devices: list[str], out_dir: Path, steps_fn: Callable[[Params], int],
                  n_trials: int | None = None, budget_s: float | None = None, log: Callable[[str], None] = print,
-                 worker_id: str | None = None, host: str | None = None, pid: int | None = None):
+                 worker_id: str | None = None, host: str | None = None, pid: int | None = None,
+                 storage: StudyStorage | None = None):
         self.spec, self.base, self.study = spec, base, study
+        self.storage = storage
         self.launcher, self.clock, self.devices = launcher, clock, list(devices)
         self.out_dir, self.steps_fn, self.n_trials, self.log = out_dir, steps_fn, n_trials, log
         self.budget_s = budget_s if budget_s is not None else spec.budget_s
         self.cap_s = spec.trial_cap_s
         self.worker_id = worker_id or uuid.uuid4().hex[:12]
         self.host = host or socket.gethostname()
-        self.ledger = Ledger(study, self.worker_id, clock, host=self.host, pid=pid or os.getpid(), devices=self.devices)
+        self.ledger = Ledger(study, self.worker_id, clock, host=self.host, pid=pid or os.getpid(), devices=self.devices,
+                             heartbeat_s=spec.heartbeat_s, stale_after_s=spec.stale_after_s)
         self.running: list[Running] = []
-        self.queue: list[Pending] = []  # asked, not yet started; the head has priority
+        self.queue: list[Pending] = []  # proposed or popped, not yet started; the head has priority
+        self.rejected: list[dict] = []  # this worker's rejected proposals (draftlab.sweep.propose)
+        self._trial_beat = -1e18
         self.closing: str | None = None
         self.done_reason: str | None = None
         self.rejections_in_a_row = 0
@@ -109,16 +106,25 @@ class Worker:
         return CostModel(self.calibration(), self.steps_fn)
 
     def _save_calibration(self, point: Point) -> None:
-        save_calibration(self.study, point)
+        with self._locked():  # one dict for all GPU counts: two workers must not write it at once
+            save_calibration(self.study, point)
+
+    def _locked(self):
+        import contextlib
+
+        return self.storage.lock(self.study.study_name) if self.storage else contextlib.nullcontext()
 
     def start(self) -> None:
         self.ledger.beat(force=True)
         self.recover()
-        self._enqueue_calibration()
+        with self._locked():  # two workers starting at once queue one calibration per GPU count
+            self._enqueue_calibration()
 
     def recover(self) -> None:
         """RUNNING trials of dead workers (this one's killed predecessor included): stop their
-        processes, mark them failed. Done trials stay done."""
+        processes, mark them failed. Done trials stay done. The ledger finds a dead worker by its
+        pid (same host) or its span; on RDB storage Optuna's heartbeat also does (`_fail_stale`)."""
+        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -126,14 +132,47 @@ class Worker:
             if not self.ledger.is_dead(owner):
                 continue
             entry = self.ledger.workers().get(owner or "", {})
-            if t.user_attrs.get("trial_dir"):
-                self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []),
-                                   entry.get("host", ""))
-            self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
-            self.study._storage.set_trial_user_attr(
-                t._trial_id, "reason", f"worker {owner} died (last heartbeat {entry.get('last', 0):.0f}); not resumed")
-            self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            self._reap(t, entry.get("host", t.user_attrs.get("host", "")))
+            try:
+                self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
+                self.study._storage.set_trial_user_attr(
+                    t._trial_id, "reason", f"worker {owner} died (last heartbeat {entry.get('last', 0):.0f}); "
+                    "not resumed")
+                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            except UpdateFinishedTrialError:  # another worker got there first
+                continue
             self.log(f"trial {t.number}: interrupted (its worker is gone); marked failed")
+        self._fail_stale()
+
+    def _reap(self, t, host: str) -> None:
+        if t.user_attrs.get("trial_dir"):
+            self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []), host)
+
+    def _fail_stale(self) -> None:
+        """Optuna's fail_stale_trials (RDB storage): a trial whose heartbeat is older than
+        stale_after_s ends FAIL; this worker, the one that failed it, records why and stops its
+        processes if they run on this host."""
+        if self.storage is None:
+            return
+
+        def on_stale(t) -> None:
+            owner = t.user_attrs.get("worker")
+            self.study.set_user_attr(f"{INTERRUPTED_ATTR}{t.number}", {
+                "reason": f"worker {owner} sent no heartbeat for {self.spec.stale_after_s} s; not resumed",
+                "by": self.worker_id})
+            self._reap(t, t.user_attrs.get("host", ""))
+            self.log(f"trial {t.number}: interrupted (worker {owner} stopped sending heartbeats); marked failed")
+
+        self.storage.fail_stale(self.study, on_stale)
+
+    def _held(self) -> list:
+        return [r.trial for r in self.running] + [p.trial for p in self.queue if p.trial is not None]
+
+    def _beat_trials(self, force: bool = False) -> None:
+        now = self.clock.now()
+        if self.storage is not None and (force or now - self._trial_beat >= self.spec.heartbeat_s):
+            self.storage.beat(self.study, self._held())
+            self._trial_beat = now
 
     def _enqueue_calibration(self) -> None:
         from optuna.trial import TrialState
@@ -170,6 +209,12 @@ class Worker:
     def _trials_started(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "rejected"))
 
+    def _held_by_me(self) -> list:
+        from optuna.trial import TrialState
+
+        return [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.user_attrs.get("worker") == self.worker_id]
+
     # -------------------------------------------------------- the loop
 
     def free_devices(self) -> list[str]:
@@ -191,12 +236,15 @@ class Worker:
     def step(self) -> bool:
         now = self.clock.now()
         self.ledger.beat()
+        self._beat_trials()
         self.spent = self.ledger.spent_s()
         remaining = self.budget_s - self.spent
         for r in list(self.running):
             self._watch(r, now)
         if self.closing is None:
             self._start_trials(remaining)
+        else:
+            self._drop_queue(f"not started: {self.closing}")
         if not self.running and not self.queue:
             if remaining <= 0:
                 self.done_reason = f"budget spent ({self.spent:,.0f} of {self.budget_s:,.0f} s)"
@@ -212,6 +260,8 @@ class Worker:
         if out is not None:
             self._finish(r, out)
             return
+        if "run_id" not in r.trial.user_attrs and (run_id := r.handle.run_id()):
+            r.trial.set_user_attr("run_id", run_id)  # as soon as it exists: a killed worker's trial has it too
         if r.stopping is None:
             if now >= r.deadline:
                 self._stop(r, r.deadline_reason, now)
@@ -237,15 +287,25 @@ class Worker:
                  f"SIGKILL after {self.spec.stop_grace_s:g} s")
 
     def _finish(self, r: Running, out: Outcome) -> None:
-        from optuna.trial import TrialState
+        from optuna.exceptions import UpdateFinishedTrialError
 
         self.running.remove(r)
+        try:
+            self._record(r, out)
+        except UpdateFinishedTrialError:  # failed meanwhile by another worker (no heartbeat from here?)
+            self.log(f"trial {r.trial.number}: already ended in the study (another worker took this one for "
+                     "dead); its result is not recorded")
+
+    def _record(self, r: Running, out: Outcome) -> None:
+        from optuna.trial import TrialState
+
         n = r.spec.params.train.gpus
         t = r.trial
         t.set_user_attr("wall_s", round(out.wall_s, 2))
         t.set_user_attr("gpu_hours", out.wall_s * n / 3600)
-        if out.run_id:
-            t.set_user_attr("run_id", out.run_id)
+        run_id = out.run_id or r.handle.run_id()
+        if run_id:
+            t.set_user_attr("run_id", run_id)
         if r.stopping is not None:
             status = {"pruned": "pruned", "cap": "stopped-cap", "budget": "stopped-budget"}.get(r.stopping, "stopped-cap")
             t.set_user_attr("status", status)
@@ -253,10 +313,9 @@ class Worker:
                             + (f"; predicted {r.predicted_s:,.0f} s" if r.predicted_s else ""))
             self.study.tell(t, state=TrialState.PRUNED)
             self.log(f"trial {t.number}: {status} after {out.wall_s:,.0f} s")
-            if r.spec.role == "calibration":
+            if r.spec.role == "calibration":  # no cost model at this count: start nothing more
                 self.closing = (f"calibration at {n} GPU(s) did not finish within {r.deadline - r.started:,.0f} s; "
                                 "raise calibration.max_s or the budget, or lower calibration.steps")
-                self.done_reason = self.closing
             return
         if not out.ok or (out.objective is None and r.spec.role != "calibration"):
             t.set_user_attr("status", "failed")
@@ -289,9 +348,12 @@ class Worker:
             f"start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch"))
         self.study.tell(t, state=TrialState.FAIL)
         if again:
-            self.study.enqueue_trial(self._calibration_values(n), user_attrs={"role": "calibration", "gpus": n,
-                                                                              "calibration_steps": 2 * steps})
-            self.queue.insert(0, self._ask())  # ahead of the search trials that wait for it
+            with self._locked():
+                self.study.enqueue_trial(self._calibration_values(n), user_attrs={"role": "calibration", "gpus": n,
+                                                                                  "calibration_steps": 2 * steps})
+                popped = self._pop()
+            if popped is not None:
+                self.queue.insert(0, popped)  # ahead of the search trials that wait for it
             self.log(f"calibration at {n} GPU(s): step time still moving after {steps} steps; again with {2 * steps}")
             return
         self._save_calibration(point)
@@ -301,31 +363,75 @@ class Worker:
                  f"{point.epoch_s:.1f} s/epoch + evaluate {point.after_s or 0:,.1f} s; "
                  f"{point.tokens_per_s:,.0f} tokens/s{settled}")
 
-    def _ask(self) -> Pending:
+    def _next(self) -> Pending:
+        """A waiting (calibration or enqueued) trial of the study if there is one, else a proposal."""
+        self._fail_stale()  # before each new trial: a dead worker's trials end first
+        with self._locked():
+            popped = self._pop()
+        if popped is not None:
+            return popped
+        queued = [(p.values, p.distributions) for p in self.queue if p.trial is None]
+        values, distributions = proposals.propose(self.study, self.spec, self.base, self.rejected, queued)
+        return Pending(None, values, trial_params(self.base, values), "search", distributions)
+
+    def _pop(self) -> Pending | None:
+        """`ask()` for a WAITING trial (under the study lock: no other worker pops it too)."""
+        from optuna.trial import TrialState
+
+        if not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return None
         trial = self.study.ask()
         trial.set_user_attr("worker", self.worker_id)
+        trial.set_user_attr("host", self.host)
+        self.storage and self.storage.beat(self.study, [trial])
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
-        values = suggest(trial, self.spec, self.base)
+        values = proposals.suggest(trial, self.spec, self.base)
         run_values = values
         if role == "calibration":  # a step-limited training: one timed epoch boundary (draftlab.compat)
             steps = int(trial.user_attrs.get("calibration_steps") or self.spec.calibration.steps)
             run_values = {**values, "train.epochs": CALIBRATION_EPOCHS, "train.max_steps": steps}
         params = trial_params(self.base, run_values)
+        self._describe(trial, role, params)
+        return Pending(trial, values, params, role)
+
+    def _describe(self, trial, role: str, params: Params) -> None:
         trial.set_user_attr("role", role)
         trial.set_user_attr("gpus", params.train.gpus)
         trial.set_user_attr("resolved_lr", params.train.resolved_lr())
-        return Pending(trial, values, params, role)
 
     def _reject(self, p: Pending, reason: str, predicted: float | None) -> None:
+        """A proposal that does not fit is recorded for the report (and the proposals that
+        follow), never as a trial; a popped trial that cannot start ends FAIL, never started."""
+        from optuna.distributions import distribution_to_json
         from optuna.trial import TrialState
 
+        self.rejections_in_a_row += 1
+        if p.trial is None:
+            self.rejected.append({"id": f"{self.worker_id}-{len(self.rejected)}", "values": p.values,
+                                  "distributions": {k: distribution_to_json(d) for k, d in p.distributions.items()},
+                                  "reason": reason, "predicted_s": None if predicted is None else round(predicted, 1),
+                                  "gpus": p.params.train.gpus, "resolved_lr": p.params.train.resolved_lr(),
+                                  "worker": self.worker_id, "at": self.clock.now()})
+            self.study.set_user_attr(proposals.REJECTED_ATTR + self.worker_id, self.rejected)
+            self.log(f"proposal {json.dumps(p.values)}: rejected before start: {reason}")
+            return
         p.trial.set_user_attr("status", "rejected")
         p.trial.set_user_attr("reason", reason)
         if predicted is not None:
             p.trial.set_user_attr("predicted_s", round(predicted, 1))
-        self.study.tell(p.trial, state=TrialState.PRUNED)
-        self.rejections_in_a_row += 1
+        self.study.tell(p.trial, state=TrialState.FAIL)
         self.log(f"trial {p.trial.number}: rejected before start: {reason}")
+
+    def _drop_queue(self, reason: str) -> None:
+        """Closing: queued proposals are dropped; queued trials of the study end FAIL, never started."""
+        from optuna.trial import TrialState
+
+        for p in list(self.queue):
+            self.queue.remove(p)
+            if p.trial is not None:
+                p.trial.set_user_attr("status", "not-started")
+                p.trial.set_user_attr("reason", reason)
+                self.study.tell(p.trial, state=TrialState.FAIL, skip_if_finished=True)
 
     def _start_trials(self, remaining: float) -> None:
         """Launch queued trials that fit, reject those that cannot, ask for more while slots are
@@ -358,7 +464,7 @@ class Worker:
                 if not self.queue:
                     self.closing = f"{self.rejections_in_a_row} proposals in a row did not fit the remaining budget"
                 return
-            self.queue.append(self._ask())
+            self.queue.append(self._next())
 
     def _head_start_at(self, gpus: int) -> float:
         """When `gpus` slots will be free, from the running trials' predicted ends (caps if unknown)."""
@@ -406,15 +512,16 @@ class Worker:
 
     def _wait_for_calibration(self, p: Pending) -> None:
         self.closing = "no calibration available (another worker's calibration failed?); rerun to calibrate"
-        from optuna.trial import TrialState
-
-        p.trial.set_user_attr("status", "rejected")
-        p.trial.set_user_attr("reason", "no calibration for its GPU count")
-        self.study.tell(p.trial, state=TrialState.PRUNED)
         self.queue.remove(p)
+        self._reject(p, "no calibration for its GPU count", None)
 
     def _launch(self, p: Pending, devices: list[str], predicted: float | None, cap: float, why: str) -> None:
         now = self.clock.now()
+        if p.trial is None:  # a proposal becomes a trial of the study now: RUNNING from its launch
+            p.trial = proposals.create_running(self.study, p.values, p.distributions,
+                                               {"worker": self.worker_id, "host": self.host})
+            self._describe(p.trial, p.role, p.params)
+            self._beat_trials(force=True)
         trial_dir = self.out_dir / f"trial-{p.trial.number:04d}"
         spec = TrialSpec(p.trial.number, p.values, p.params, devices, p.role, trial_dir)
         p.trial.set_user_attr("trial_dir", str(trial_dir))
@@ -429,32 +536,44 @@ class Worker:
         self.log(f"trial {p.trial.number} ({p.role}) on {devices}: {json.dumps(p.values)}; lr resolved "
                  f"{p.params.train.resolved_lr():.3g}; {pred}stopped at {cap:,.0f} s ({why})")
 
-    def close(self) -> None:
-        """Stop what still runs (an interrupted sweep): their trials fail, not hang RUNNING."""
+    def close(self, reason: str = "the sweep was interrupted") -> None:
+        """Leave no trial of this worker RUNNING: stop what still runs (SIGKILL: an interrupted
+        sweep must not wait for a grace) and fail it, end queued trials as never started."""
+        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         for r in list(self.running):
             r.handle.kill()
-            r.trial.set_user_attr("status", "interrupted")
-            r.trial.set_user_attr("reason", "the sweep was interrupted")
-            self.study.tell(r.trial, state=TrialState.FAIL, skip_if_finished=True)
             self.running.remove(r)
-        for p in list(self.queue):
-            self._reject(p, "the sweep was interrupted before it started", None)
-        self.queue.clear()
+            try:
+                if run_id := r.handle.run_id():
+                    r.trial.set_user_attr("run_id", run_id)
+                r.trial.set_user_attr("status", "interrupted")
+                r.trial.set_user_attr("reason", reason)
+                self.study.tell(r.trial, state=TrialState.FAIL, skip_if_finished=True)
+            except UpdateFinishedTrialError:
+                pass
+        self._drop_queue(f"not started: {reason}")
+        for t in self._held_by_me():  # a trial made but never tracked (an error between the two)
+            try:
+                self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
+                self.study._storage.set_trial_user_attr(t._trial_id, "reason", reason)
+                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            except UpdateFinishedTrialError:
+                pass
         self.ledger.beat(force=True)
 
 
 def drive(worker: Worker, poll_s: float = 1.0, on_tick: Callable[[Worker], None] | None = None) -> str:
-    """Run a worker to the end; returns why it ended."""
+    """Run a worker to the end; returns why it ended. Nothing of this worker stays RUNNING."""
     worker.start()
+    reason = "the sweep was interrupted"
     try:
         while not worker.step():
             if on_tick:
                 on_tick(worker)
             worker.clock.sleep(poll_s)
-    except BaseException:
-        worker.close()
-        raise
-    return worker.done_reason or "done"
-
+        reason = worker.done_reason or "done"
+    finally:
+        worker.close(reason)
+    return reason

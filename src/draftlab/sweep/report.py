@@ -46,9 +46,18 @@ def pareto_front(rows: list[dict], maximize: bool) -> list[dict]:
 
 
 def trial_rows(study) -> list[dict]:
+    """Every trial of the study, then every rejected proposal (never a trial: no number, no state)."""
+    from draftlab.sweep.propose import rejected
+    from draftlab.sweep.storage import interrupted
+
+    stale = interrupted(study)
     rows = []
     for t in study.get_trials(deepcopy=False):
-        a = t.user_attrs
+        a = dict(t.user_attrs)
+        if t.number in stale:  # failed by Optuna's heartbeat check: its own attrs were frozen
+            a.update(status="interrupted", reason=stale[t.number]["reason"])
+        elif t.state.name == "FAIL" and a.get("status") == "running":
+            a.update(status="interrupted", reason="its worker stopped without recording why")
         rows.append({"number": t.number, "state": t.state.name, "status": a.get("status", t.state.name.lower()),
                      "role": a.get("role", ""), "reason": a.get("reason", ""),
                      **{k: v for k, v in t.params.items()}, "gpus": a.get("gpus"),
@@ -57,6 +66,11 @@ def trial_rows(study) -> list[dict]:
                      "value": t.value if t.state.name == "COMPLETE" else None,
                      "devices": ",".join(a.get("devices", [])), "run_id": a.get("run_id", ""),
                      "worker": a.get("worker", "")})
+    for r in rejected(study):
+        rows.append({"number": None, "state": "", "status": "rejected", "role": "search", "reason": r["reason"],
+                     **r["values"], "gpus": r.get("gpus"), "resolved_lr": r.get("resolved_lr"),
+                     "predicted_s": r.get("predicted_s"), "wall_s": None, "gpu_hours": None, "value": None,
+                     "devices": "", "run_id": "", "worker": r.get("worker", "")})
     return rows
 
 
@@ -78,7 +92,7 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     write_json_atomic(rep / "pareto.json", front)
     counts = {s: sum(r["status"] == s for r in rows) for s in
               ("calibration", "completed", "pruned", "rejected", "stopped-cap", "stopped-budget", "failed",
-               "interrupted")}
+               "interrupted", "not-started")}
     summary = {"study": spec.study, "objective": spec.objective.metric, "direction": spec.objective.direction,
                "budget_s": budget_s, "spent_s": round(spent_s, 1), "overrun_s": round(max(spent_s - budget_s, 0), 1),
                "ended": ended, "trials": counts, "calibration": model_points,

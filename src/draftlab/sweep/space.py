@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draftlab.params import Params, ParamsError, flatten, merge, parse_params
+from draftlab.sweep.budget import HEARTBEAT_S, STALE_AFTER_S
 
 OBJECTIVES = {  # metric → (direction, where a trial's final value comes from)
     "eval/simulated_acc_len": "maximize",
@@ -126,6 +127,11 @@ class SweepSpec(_Model):
     trial_cap: str | float | None = Field(None, description="Longest one trial may run (null: the budget).")
     storage: str | None = Field(None, description="Optuna storage: null = a journal file in the study folder; "
                                 "sqlite:///…, postgresql://… for several machines; or a .log journal path.")
+    heartbeat_s: int = Field(HEARTBEAT_S, ge=1, description="Seconds between a worker's heartbeats: its span in "
+                             "the budget ledger and, on RDB storage, Optuna's heartbeat of each trial it holds.")
+    stale_after_s: int = Field(STALE_AFTER_S, ge=2, description="A worker (and on RDB storage, a trial) without a "
+                               "heartbeat for this long is dead: its RUNNING trials end FAIL as interrupted and "
+                               "its processes on the checking worker's host are stopped.")
     devices: int | list[str] | None = Field(None, description="Device slots of this worker: a count or ids "
                                             "(null: every visible GPU; on CPU, process slots = CPU cores).")
     stop_grace_s: float = Field(10, ge=0, le=120, description="SIGTERM → SIGKILL grace for a trial that "
@@ -179,6 +185,9 @@ def read_spec(path: Path, **overrides: Any) -> SweepSpec:
     except ValidationError as err:
         raise SpaceError(_first_line(err, str(path))) from None
     spec.budget_s, spec.trial_cap_s  # noqa: B018 — durations parse now, not mid-sweep
+    if spec.stale_after_s < 2 * spec.heartbeat_s:
+        raise SpaceError(f"{path}: stale_after_s ({spec.stale_after_s}) must be at least twice heartbeat_s "
+                         f"({spec.heartbeat_s}), or a live worker would be taken for dead")
     return spec
 
 

@@ -16,8 +16,10 @@ from draftlab.costmodel import Point
 from draftlab.params import Params
 from draftlab.sweep.budget import SystemClock, steps_from_lengths
 from draftlab.sweep.loop import CALIBRATION_ATTR, PARENT_RUN_ATTR, Worker, drive, save_calibration
+from draftlab.sweep.propose import sampler
 from draftlab.sweep.report import report
 from draftlab.sweep.space import SpaceError, SweepSpec, check_spec
+from draftlab.sweep.storage import StudyStorage
 
 EXPERIMENT = "draftlab"
 
@@ -26,22 +28,16 @@ def storage_url(spec: SweepSpec, out_dir: Path) -> str:
     return spec.storage or str(out_dir / "journal.log")
 
 
-def open_storage(url: str):
+def open_storage(url: str, spec: SweepSpec | None = None) -> StudyStorage:
     """A journal file (default, many processes on one host) or an RDB URL (PostgreSQL: many hosts)."""
-    import optuna
-
-    if "://" not in url:
-        from optuna.storages.journal import JournalFileBackend
-
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(url))
-    try:
-        return optuna.storages.RDBStorage(url)
-    except Exception as err:  # noqa: BLE001 — unreachable database, missing driver: one line
-        raise SpaceError(f"storage: cannot open {url!r} ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    if spec is None:
+        return StudyStorage(url)
+    return StudyStorage(url, heartbeat_s=spec.heartbeat_s, stale_after_s=spec.stale_after_s)
 
 
-def open_study(spec: SweepSpec, storage, base: Params):
+def open_study(spec: SweepSpec, storage: StudyStorage, base: Params):
+    import warnings
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -51,13 +47,16 @@ def open_study(spec: SweepSpec, storage, base: Params):
                                                             n_warmup_steps=p.warmup_epochs),
               "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(hi, 1)),
               "none": lambda: optuna.pruners.NopPruner()}[p.kind]()
-    # constant_liar: concurrent trials see each other as pending, so the sampler spreads them
-    sampler = optuna.samplers.TPESampler(seed=spec.seed, constant_liar=True)
-    study = optuna.create_study(study_name=spec.study, storage=storage, direction=spec.objective.direction,
-                                sampler=sampler, pruner=pruner, load_if_exists=True)
+    # search values come from draftlab.sweep.propose; this sampler only serves popped (enqueued) trials
+    study = optuna.create_study(study_name=spec.study, storage=storage.optuna, direction=spec.objective.direction,
+                                sampler=sampler(spec), pruner=pruner, load_if_exists=True)
     if study.direction.name.lower() != spec.objective.direction:
         raise SpaceError(f"objective: study {spec.study!r} already {study.direction.name.lower()}s; use another "
                          "study name for a different objective")
+    if study.metric_names != [spec.objective.metric]:
+        with warnings.catch_warnings():  # "experimental" since Optuna 3.2
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([spec.objective.metric])
     return study
 
 
@@ -150,20 +149,22 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
         reused = {n: p for n, p in found.items() if p.after_s is not None}  # a trial's: evaluate timed too
     if "://" not in url and not Path(url).exists():  # a new study: every check before anything is written
         check_spec(spec, base, num_devices=len(devices), calibrated=set(reused))
-    storage = open_storage(url)
+    storage = open_storage(url, spec)
     study = open_study(spec, storage, base)
-    calibrated = {int(n) for n in study.user_attrs.get(CALIBRATION_ATTR, {})}
-    for n, point in reused.items():
-        if n not in calibrated:
-            save_calibration(study, point)
-            console.print(f"[bold]sweep[/]: calibration at {n} GPU(s) from {point.source}: start-up "
-                          f"{point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch")
+    with storage.lock(spec.study):
+        calibrated = {int(n) for n in study.user_attrs.get(CALIBRATION_ATTR, {})}
+        for n, point in reused.items():
+            if n not in calibrated:
+                save_calibration(study, point)
+                console.print(f"[bold]sweep[/]: calibration at {n} GPU(s) from {point.source}: start-up "
+                              f"{point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch")
     calibrated |= set(reused)
     check_spec(spec, base, num_devices=len(devices), calibrated=calibrated)
     lengths, _ = train_split(data_dir, base.data.train_ratio)
     study.set_user_attr("draftlab.budget_s", spec.budget_s)
     study.set_user_attr("draftlab.space", json.loads(spec.model_dump_json()))
-    parent = parent_run(study, spec, url)
+    with storage.lock(spec.study):  # workers starting together: one parent run
+        parent = parent_run(study, spec, url)
     console.print(f"[bold]sweep[/]: study [cyan]{spec.study}[/] in {url}  (optuna-dashboard {url})")
     console.print(f"[bold]sweep[/]: budget {spec.budget_s:,.0f} s, trial cap "
                   f"{'—' if spec.trial_cap_s is None else f'{spec.trial_cap_s:,.0f} s'}, devices {devices}, "
@@ -172,7 +173,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                                            data_dir=data_dir, store_dir=store_dir, parent_run_id=parent,
                                            gpu_slots=gpu, total_slots=len(devices))
     worker = Worker(spec, base, study, launcher=launcher, clock=clock or SystemClock(), devices=devices,
-                    out_dir=out_dir, steps_fn=steps_from_lengths(lengths), n_trials=n_trials,
+                    out_dir=out_dir, steps_fn=steps_from_lengths(lengths), n_trials=n_trials, storage=storage,
                     log=lambda line: console.print(f"[bold]sweep[/]: {line}", soft_wrap=True))
     status = "FAILED"
     started = time.time()
@@ -202,4 +203,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
         b = summary["best"]
         console.print(f"[bold]sweep[/]: best trial {b['trial']}: {spec.objective.metric} = {b['value']:.4f} with "
                       f"{b['params']} (lr resolved {b['resolved_lr']:.3g}) → {out_dir / 'report'}")
+    else:
+        console.print(f"[bold red]sweep[/]: no trial of study {spec.study!r} has completed ({ended}); "
+                      f"see {out_dir / 'report' / 'trials.csv'}", soft_wrap=True)
     return summary

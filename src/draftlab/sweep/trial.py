@@ -150,6 +150,7 @@ class ProcessHandle:
         self.pgids = [proc.pid]
         self._log = log_file
         self._started = time.time()
+        self._run_id: str | None = None
 
     def _groups(self) -> list[int]:
         torchrun = _torchrun_pgid(self.trial_dir)
@@ -167,16 +168,22 @@ class ProcessHandle:
             _mark_run(self.trial_dir, "KILLED" if rc < 0 or rc == 143 else "FAILED")
         message = res.message or f"trial process exited with {rc}; see {trial.log_path}"
         wall = res.wall_s if res.wall_s is not None else time.time() - self._started
-        return Outcome(res.ok, res.objective, float(wall), res.run_id, message, res.timing)
+        return Outcome(res.ok, res.objective, float(wall), res.run_id or self.run_id(), message, res.timing)
+
+    def run_id(self) -> str | None:
+        """The training's MLflow run, from the run folder as soon as the launcher wrote it."""
+        if self._run_id is None and (state := TrialDir(self.trial_dir).train.run.peek()) is not None:
+            self._run_id = state.run_id
+        return self._run_id
 
     def intermediate(self) -> dict[int, float]:
-        state = TrialDir(self.trial_dir).train.run.peek()
-        if state is None:
+        run_id = self.run_id()
+        if run_id is None:
             return {}
         import mlflow
 
         try:
-            return epoch_values(mlflow.MlflowClient(), state.run_id, self.metric, self.ttt_steps)
+            return epoch_values(mlflow.MlflowClient(), run_id, self.metric, self.ttt_steps)
         except Exception:  # noqa: BLE001 — a busy store: try again next time
             return {}
 

@@ -1,0 +1,123 @@
+"""Where a study lives, and what keeps several workers on it from stepping on each other.
+
+    null / a path          a JournalStorage file (default): any number of workers on one host
+    postgresql://u:p@h/db  RDBStorage (psycopg2): workers on several hosts
+    sqlite:///path         RDBStorage on one host (locks under many writers: prefer the journal)
+
+Two mechanisms, both in the database so that they hold across hosts:
+
+  lock       `StudyStorage.lock()` serialises the few read-then-write steps of a study: queueing
+             the calibration trials, popping one, creating the parent MLflow run. PostgreSQL:
+             a session-level advisory lock (`pg_advisory_lock(hashtext('draftlab:<study>'))`) on
+             a connection of its own; a journal or sqlite file: `flock` on `<file>.draftlab-lock`.
+  heartbeat  on RDB storage, Optuna's own trial heartbeat (`heartbeat_interval`, `grace_period`):
+             its thread runs only inside `Study.optimize`, and a sweep worker uses ask/tell, so
+             the worker calls `record_heartbeat` for the trials it holds every `heartbeat_s`,
+             and `optuna.storages.fail_stale_trials` before it takes a new trial; a trial whose
+             heartbeat is older than `stale_after_s` (database time, so host clocks do not
+             matter) ends FAIL, and the worker that failed it records why
+             (`draftlab.interrupted.<number>` in the study) and stops its processes if they
+             run on its host. JournalStorage has no heartbeat: there, a dead worker is found by
+             its span in the ledger (draftlab.sweep.budget) and its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator
+
+from draftlab.sweep.budget import HEARTBEAT_S, STALE_AFTER_S
+from draftlab.sweep.space import SpaceError
+
+INTERRUPTED_ATTR = "draftlab.interrupted."  # + trial number → {"reason", "by"} (a FAIL trial's attrs are frozen)
+
+
+class StudyStorage:
+    """An Optuna storage plus the study-wide lock and, on RDB storage, the trial heartbeat."""
+
+    def __init__(self, url: str, *, heartbeat_s: int = HEARTBEAT_S, stale_after_s: int = STALE_AFTER_S):
+        import optuna
+
+        self.url, self.heartbeat_s, self.stale_after_s = url, heartbeat_s, stale_after_s
+        self._on_stale: Callable | None = None
+        self.rdb = "://" in url
+        if not self.rdb:
+            from optuna.storages.journal import JournalFileBackend
+
+            Path(url).parent.mkdir(parents=True, exist_ok=True)
+            self.optuna = optuna.storages.JournalStorage(JournalFileBackend(url))
+            self._lock_path: Path | None = Path(url + ".draftlab-lock")
+            return
+        scheme = url.split("://", 1)[0].split("+", 1)[0]
+        if scheme not in ("postgresql", "sqlite"):
+            raise SpaceError(f"storage: {scheme}:// is not supported; use postgresql://… (several hosts), "
+                             "sqlite:///… or a journal file path")
+        try:
+            with warnings.catch_warnings():  # heartbeat_interval is "experimental" since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.optuna = optuna.storages.RDBStorage(
+                    url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=heartbeat_s,
+                    grace_period=stale_after_s, heartbeat_stale_trial_callback=self._stale)
+        except Exception as err:  # noqa: BLE001 — unreachable database, missing driver: one line
+            raise SpaceError(f"storage: cannot open {url!r} ({type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0]})") from None
+        self._lock_path = Path(self.optuna.engine.url.database + ".draftlab-lock") if scheme == "sqlite" else None
+
+    # -------------------------------------------------------- the study-wide lock
+
+    @contextlib.contextmanager
+    def lock(self, study_name: str) -> Iterator[None]:
+        if self._lock_path is not None:
+            with open(self._lock_path, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+            return
+        import sqlalchemy
+
+        key = f"draftlab:{study_name}"
+        with self.optuna.engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(hashtext(:k))"), {"k": key})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(hashtext(:k))"), {"k": key})
+                conn.commit()
+
+    # -------------------------------------------------------- Optuna's heartbeat (RDB only)
+
+    def beat(self, study, trials) -> None:
+        """Record a heartbeat for each trial this worker holds (a trial without one is never stale)."""
+        if not self.rdb:
+            return
+        for trial in trials:
+            study._storage.record_heartbeat(trial._trial_id)
+
+    def fail_stale(self, study, on_stale: Callable) -> None:
+        """Optuna's `fail_stale_trials`; `on_stale(frozen_trial)` for each trial this call failed."""
+        if not self.rdb:
+            return
+        import optuna
+
+        self._on_stale = on_stale
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
+        finally:
+            self._on_stale = None
+
+    def _stale(self, study, trial) -> None:  # RDBStorage's heartbeat_stale_trial_callback
+        if self._on_stale is not None:
+            self._on_stale(trial)
+
+
+def interrupted(study) -> dict[int, dict]:
+    """Trial number → why it was interrupted, for trials failed by a stale heartbeat."""
+    return {int(k[len(INTERRUPTED_ATTR):]): v for k, v in study.user_attrs.items() if k.startswith(INTERRUPTED_ATTR)}
