@@ -107,6 +107,7 @@ class SimLauncher:
 
     def reap(self, trial_dir, pgids, host):
         self.reaped.append((Path(trial_dir).name, list(pgids), host))
+        return f"run{int(Path(trial_dir).name.split('-')[1])}"
 
     def max_concurrent(self) -> int:
         events = sorted([(t, 1) for _, t, h in self.started] +

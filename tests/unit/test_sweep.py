@@ -250,6 +250,7 @@ def test_resume_after_kill9_marks_the_orphan_failed_and_does_not_redo_or_recount
     b.start()
     t = b.study.get_trials()[orphan]
     assert t.state.name == "FAIL" and t.user_attrs["status"] == "interrupted"
+    assert t.user_attrs["run_id"] == f"run{orphan}", "the orphan keeps its MLflow run id"
     assert launcher.reaped and launcher.reaped[0][0] == f"trial-{orphan:04d}" and launcher.reaped[0][1] == [10_000 + orphan]
     assert b.ledger.spent_s() == pytest.approx(spent_a), "the downtime is not spent budget, the past is counted once"
     run_to_end(b, clock)

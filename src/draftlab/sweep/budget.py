@@ -73,7 +73,7 @@ class Handle(Protocol):
 
 class Launcher(Protocol):
     def start(self, spec: TrialSpec) -> Handle: ...
-    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None: ...
+    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> str | None: ...  # its run id
 
 
 # ---------------------------------------------------------------- the cost model (draftlab.costmodel)

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import uuid
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -132,8 +133,10 @@ class Worker:
             if not self.ledger.is_dead(owner):
                 continue
             entry = self.ledger.workers().get(owner or "", {})
-            self._reap(t, entry.get("host", t.user_attrs.get("host", "")))
+            run_id = self._reap(t, entry.get("host", t.user_attrs.get("host", "")))
             try:
+                if run_id and "run_id" not in t.user_attrs:
+                    self.study._storage.set_trial_user_attr(t._trial_id, "run_id", run_id)
                 self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
                 self.study._storage.set_trial_user_attr(
                     t._trial_id, "reason", f"worker {owner} died (last heartbeat {entry.get('last', 0):.0f}); "
@@ -144,9 +147,11 @@ class Worker:
             self.log(f"trial {t.number}: interrupted (its worker is gone); marked failed")
         self._fail_stale()
 
-    def _reap(self, t, host: str) -> None:
-        if t.user_attrs.get("trial_dir"):
-            self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []), host)
+    def _reap(self, t, host: str) -> str | None:
+        """Stop a dead worker's trial's processes (on this host) and end its MLflow run; its id."""
+        if not t.user_attrs.get("trial_dir"):
+            return None
+        return self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []), host)
 
     def _fail_stale(self) -> None:
         """Optuna's fail_stale_trials (RDB storage): a trial whose heartbeat is older than
@@ -157,10 +162,10 @@ class Worker:
 
         def on_stale(t) -> None:
             owner = t.user_attrs.get("worker")
+            run_id = self._reap(t, t.user_attrs.get("host", ""))
             self.study.set_user_attr(f"{INTERRUPTED_ATTR}{t.number}", {
                 "reason": f"worker {owner} sent no heartbeat for {self.spec.stale_after_s} s; not resumed",
-                "by": self.worker_id})
-            self._reap(t, t.user_attrs.get("host", ""))
+                "by": self.worker_id, "run_id": t.user_attrs.get("run_id") or run_id})
             self.log(f"trial {t.number}: interrupted (worker {owner} stopped sending heartbeats); marked failed")
 
         self.storage.fail_stale(self.study, on_stale)
@@ -168,11 +173,14 @@ class Worker:
     def _held(self) -> list:
         return [r.trial for r in self.running] + [p.trial for p in self.queue if p.trial is not None]
 
-    def _beat_trials(self, force: bool = False) -> None:
+    def _beat_trials(self) -> None:
+        """Every heartbeat_s: this worker's trials' heartbeats, then the others' staleness (a
+        worker whose slots are all busy asks for nothing, and must still notice a dead peer)."""
         now = self.clock.now()
-        if self.storage is not None and (force or now - self._trial_beat >= self.spec.heartbeat_s):
+        if self.storage is not None and now - self._trial_beat >= self.spec.heartbeat_s:
             self.storage.beat(self.study, self._held())
             self._trial_beat = now
+            self._fail_stale()
 
     def _enqueue_calibration(self) -> None:
         from optuna.trial import TrialState
@@ -205,6 +213,13 @@ class Worker:
             values["train.epochs"] = min(max(CALIBRATION_EPOCHS, lo), hi)
         values["train.gpus"] = gpus if "train.gpus" in self.spec.space else None
         return {k: v for k, v in values.items() if v is not None}
+
+    def _calibration_live(self) -> bool:
+        """A calibration trial waits or runs somewhere (another worker's, after a simultaneous start)."""
+        from optuna.trial import TrialState
+
+        return any(t.user_attrs.get("role") == "calibration" for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)))
 
     def _trials_started(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "rejected"))
@@ -380,10 +395,13 @@ class Worker:
 
         if not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return None
-        trial = self.study.ask()
+        with warnings.catch_warnings():  # "heartbeat … supposed to be used with Study.optimize": see storage
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = self.study.ask()
         trial.set_user_attr("worker", self.worker_id)
         trial.set_user_attr("host", self.host)
-        self.storage and self.storage.beat(self.study, [trial])
+        if self.storage is not None:  # at once: Optuna never takes a trial without a heartbeat for stale
+            self.storage.beat(self.study, [trial])
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
         values = proposals.suggest(trial, self.spec, self.base)
         run_values = values
@@ -487,7 +505,7 @@ class Worker:
         else:
             pred = model.predict(p.params)
             if pred is None:  # its calibration runs here or on another worker: wait for it
-                if not self.running:
+                if not self.running and not self._calibration_live():
                     self._wait_for_calibration(p)
                 return "stop"
             predicted = pred.wall_s
@@ -520,8 +538,9 @@ class Worker:
         if p.trial is None:  # a proposal becomes a trial of the study now: RUNNING from its launch
             p.trial = proposals.create_running(self.study, p.values, p.distributions,
                                                {"worker": self.worker_id, "host": self.host})
+            if self.storage is not None:  # at once: Optuna never takes a trial without a heartbeat for stale
+                self.storage.beat(self.study, [p.trial])
             self._describe(p.trial, p.role, p.params)
-            self._beat_trials(force=True)
         trial_dir = self.out_dir / f"trial-{p.trial.number:04d}"
         spec = TrialSpec(p.trial.number, p.values, p.params, devices, p.role, trial_dir)
         p.trial.set_user_attr("trial_dir", str(trial_dir))

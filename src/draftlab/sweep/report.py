@@ -56,6 +56,7 @@ def trial_rows(study) -> list[dict]:
         a = dict(t.user_attrs)
         if t.number in stale:  # failed by Optuna's heartbeat check: its own attrs were frozen
             a.update(status="interrupted", reason=stale[t.number]["reason"])
+            a["run_id"] = a.get("run_id") or stale[t.number].get("run_id") or ""
         elif t.state.name == "FAIL" and a.get("status") == "running":
             a.update(status="interrupted", reason="its worker stopped without recording why")
         rows.append({"number": t.number, "state": t.state.name, "status": a.get("status", t.state.name.lower()),

@@ -128,11 +128,11 @@ def _torchrun_pgid(trial_dir: Path) -> int | None:
     return launch.pgid if launch is not None else None
 
 
-def _mark_run(trial_dir: Path, status: str) -> None:
-    """A trial killed mid-training leaves its MLflow run RUNNING: end it as `status`."""
+def _mark_run(trial_dir: Path, status: str) -> str | None:
+    """A trial killed mid-training leaves its MLflow run RUNNING: end it as `status`; its id."""
     state = TrialDir(trial_dir).train.run.peek()
     if state is None:
-        return
+        return None
     import mlflow
 
     run_id = state.run_id
@@ -142,6 +142,7 @@ def _mark_run(trial_dir: Path, status: str) -> None:
             client.set_terminated(run_id, status)
     except Exception:  # noqa: BLE001 — tracking is best effort here; the study has the record
         pass
+    return run_id
 
 
 class ProcessHandle:
@@ -237,12 +238,13 @@ class ProcessLauncher:
         proc = procs.spawn(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # dies with this worker
         return ProcessHandle(proc, spec.trial_dir, self.metric, spec.params.train.ttt_steps, log)
 
-    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> None:
-        """A dead worker's trial: stop its processes (if they run here) and end its MLflow run."""
+    def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> str | None:
+        """A dead worker's trial: stop its processes (if they run here) and end its MLflow run
+        (whose id it returns)."""
         if host == socket.gethostname():
             groups = list(pgids) + ([p] if (p := _torchrun_pgid(trial_dir)) else [])
             _signal_groups(groups, signal.SIGKILL, trial_dir)
-        _mark_run(trial_dir, "KILLED")
+        return _mark_run(trial_dir, "KILLED")
 
 
 if __name__ == "__main__":
