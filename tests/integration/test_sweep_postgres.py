@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.sweep_sim import BASE, GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker
+from tests.sweep_sim import GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -199,7 +199,7 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     import optuna
 
     from draftlab.costmodel import Point
-    from draftlab.sweep.loop import save_calibration
+    from draftlab.sweep import calibration
 
     params, target_dir, data_dir, store_dir = built
     raw = params.model_dump()
@@ -213,7 +213,7 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     from draftlab.sweep.storage import driver_url
 
     study = optuna.create_study(study_name="real", storage=driver_url(postgres_url), direction="maximize")
-    save_calibration(study, Point(1, fixed_s=30, step_s=0.5, epoch_s=2, tokens_per_s=500, steps=21, epochs=2,
+    calibration.save(study, Point(1, fixed_s=30, step_s=0.5, epoch_s=2, tokens_per_s=500, steps=21, epochs=2,
                                   wall_s=45, source="stated", after_s=10))
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "draftlab.cli", "sweep", "space.yaml", "--target", str(target_dir),
@@ -226,5 +226,5 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     run_id = trials[0].user_attrs["run_id"]
     rows = (tmp_path / "sweeps" / "real" / "report" / "trials.csv").read_text()
     assert run_id in rows
-    result = json.loads((Path(trials[0].user_attrs["trial_dir"]) / "result.json").read_text())
+    result = json.loads((tmp_path / trials[0].user_attrs["trial_dir"] / "result.json").read_text())
     assert result["run_id"] == run_id and result["ok"]

@@ -15,32 +15,26 @@ import os
 import socket
 import uuid
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from draftlab.costmodel import CostModel, Point
 from draftlab.params import Params
+from draftlab.sweep import calibration
 from draftlab.sweep import propose as proposals
 from draftlab.sweep.budget import Clock, Handle, Launcher, Ledger, Outcome, TrialSpec, point_from_outcome
+from draftlab.sweep.peers import Peers
 from draftlab.sweep.space import SweepSpec, trial_params
-from draftlab.sweep.storage import INTERRUPTED_ATTR, StudyStorage
+from draftlab.sweep.storage import StudyStorage
 
-CALIBRATION_ATTR = "draftlab.calibration"
 PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
 INTERMEDIATE_EVERY_S = 5.0
 MAX_CONSECUTIVE_REJECTIONS = 25
-CALIBRATION_EPOCHS = 2  # with train.max_steps: N steps, one epoch boundary, 1 step (compat.steps_under_max_steps)
 QUEUE_DEPTH = 2  # proposals and popped calibrations waiting for slots: the head, and one that may backfill
 
 
 # ---------------------------------------------------------------- one worker
-
-
-def save_calibration(study, point: Point) -> None:
-    raw = dict(study.user_attrs.get(CALIBRATION_ATTR, {}))
-    raw[str(point.gpus)] = asdict(point)
-    study.set_user_attr(CALIBRATION_ATTR, raw)
 
 
 @dataclass
@@ -91,7 +85,8 @@ class Worker:
         self.running: list[Running] = []
         self.queue: list[Pending] = []  # proposed or popped, not yet started; the head has priority
         self.rejected: list[dict] = []  # this worker's rejected proposals (draftlab.sweep.propose)
-        self._trial_beat = -1e18
+        self.peers = Peers(study, self.ledger, storage, launcher, clock, worker_id=self.worker_id,
+                           heartbeat_s=spec.heartbeat_s, stale_after_s=spec.stale_after_s, log=log)
         self.closing: str | None = None
         self.done_reason: str | None = None
         self.rejections_in_a_row = 0
@@ -100,15 +95,14 @@ class Worker:
     # -------------------------------------------------------- study state
 
     def calibration(self) -> dict[int, Point]:
-        raw = self.study.user_attrs.get(CALIBRATION_ATTR, {})
-        return {int(n): Point(**p) for n, p in raw.items()}
+        return calibration.points(self.study)
 
     def model(self) -> CostModel:
         return CostModel(self.calibration(), self.steps_fn)
 
     def _save_calibration(self, point: Point) -> None:
         with self._locked():  # one dict for all GPU counts: two workers must not write it at once
-            save_calibration(self.study, point)
+            calibration.save(self.study, point)
 
     def _locked(self):
         import contextlib
@@ -117,109 +111,12 @@ class Worker:
 
     def start(self) -> None:
         self.ledger.beat(force=True)
-        self.recover()
+        self.peers.recover()
         with self._locked():  # two workers starting at once queue one calibration per GPU count
-            self._enqueue_calibration()
-
-    def recover(self) -> None:
-        """RUNNING trials of dead workers (this one's killed predecessor included): stop their
-        processes, mark them failed. Done trials stay done. The ledger finds a dead worker by its
-        pid (same host) or its span; on RDB storage Optuna's heartbeat also does (`_fail_stale`)."""
-        from optuna.exceptions import UpdateFinishedTrialError
-        from optuna.trial import TrialState
-
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            owner = t.user_attrs.get("worker")
-            if not self.ledger.is_dead(owner):
-                continue
-            entry = self.ledger.workers().get(owner or "", {})
-            run_id = self._reap(t, entry.get("host", t.user_attrs.get("host", "")))
-            try:
-                if run_id and "run_id" not in t.user_attrs:
-                    self.study._storage.set_trial_user_attr(t._trial_id, "run_id", run_id)
-                self.study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
-                self.study._storage.set_trial_user_attr(
-                    t._trial_id, "reason", f"worker {owner} died (last heartbeat {entry.get('last', 0):.0f}); "
-                    "not resumed")
-                self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-            except UpdateFinishedTrialError:  # another worker got there first
-                continue
-            self.log(f"trial {t.number}: interrupted (its worker is gone); marked failed")
-        self._fail_stale()
-
-    def _reap(self, t, host: str) -> str | None:
-        """Stop a dead worker's trial's processes (on this host) and end its MLflow run; its id."""
-        if not t.user_attrs.get("trial_dir"):
-            return None
-        return self.launcher.reap(Path(t.user_attrs["trial_dir"]), t.user_attrs.get("pgids", []), host)
-
-    def _fail_stale(self) -> None:
-        """Optuna's fail_stale_trials (RDB storage): a trial whose heartbeat is older than
-        stale_after_s ends FAIL; this worker, the one that failed it, records why and stops its
-        processes if they run on this host."""
-        if self.storage is None:
-            return
-
-        def on_stale(t) -> None:
-            owner = t.user_attrs.get("worker")
-            run_id = self._reap(t, t.user_attrs.get("host", ""))
-            self.study.set_user_attr(f"{INTERRUPTED_ATTR}{t.number}", {
-                "reason": f"worker {owner} sent no heartbeat for {self.spec.stale_after_s} s; not resumed",
-                "by": self.worker_id, "run_id": t.user_attrs.get("run_id") or run_id})
-            self.log(f"trial {t.number}: interrupted (worker {owner} stopped sending heartbeats); marked failed")
-
-        self.storage.fail_stale(self.study, on_stale)
+            calibration.enqueue(self.study, self.spec, self.base, len(self.devices), self.log)
 
     def _held(self) -> list:
         return [r.trial for r in self.running] + [p.trial for p in self.queue if p.trial is not None]
-
-    def _beat_trials(self) -> None:
-        """Every heartbeat_s: this worker's trials' heartbeats, then the others' staleness (a
-        worker whose slots are all busy asks for nothing, and must still notice a dead peer)."""
-        now = self.clock.now()
-        if self.storage is not None and now - self._trial_beat >= self.spec.heartbeat_s:
-            self.storage.beat(self.study, self._held())
-            self._trial_beat = now
-            self._fail_stale()
-
-    def _enqueue_calibration(self) -> None:
-        from optuna.trial import TrialState
-
-        have = self.calibration()
-        live = {t.user_attrs.get("gpus") for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
-            if t.user_attrs.get("role") == "calibration"}
-        for n in self.spec.gpu_counts(self.base):
-            if n in have or n in live or n > len(self.devices):
-                continue
-            values = self._calibration_values(n)
-            self.study.enqueue_trial(values, user_attrs={"role": "calibration", "gpus": n})
-            self.log(f"calibration: trial queued at {n} GPU(s) ({values})")
-
-    def _calibration_values(self, gpus: int) -> dict[str, Any]:
-        base = self.base.model_dump()
-        values: dict[str, Any] = {}
-        for key, dim in self.spec.space.items():
-            section, name = key.split(".", 1)
-            v = base[section][name]
-            if dim.choices is not None:
-                v = v if v in dim.choices else dim.choices[0]
-            else:
-                v = min(max(v, dim.low), dim.high)
-                v = int(v) if isinstance(base[section][name], int) else float(v)
-            values[key] = v
-        if "train.epochs" in self.spec.space:  # what the trial records; it runs CALIBRATION_EPOCHS (see _ask)
-            lo, hi = self.spec.epochs_range(self.base)
-            values["train.epochs"] = min(max(CALIBRATION_EPOCHS, lo), hi)
-        values["train.gpus"] = gpus if "train.gpus" in self.spec.space else None
-        return {k: v for k, v in values.items() if v is not None}
-
-    def _calibration_live(self) -> bool:
-        """A calibration trial waits or runs somewhere (another worker's, after a simultaneous start)."""
-        from optuna.trial import TrialState
-
-        return any(t.user_attrs.get("role") == "calibration" for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)))
 
     def _trials_started(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("status") not in (None, "rejected"))
@@ -250,8 +147,7 @@ class Worker:
 
     def step(self) -> bool:
         now = self.clock.now()
-        self.ledger.beat()
-        self._beat_trials()
+        self.peers.beat(self._held())
         self.spent = self.ledger.spent_s()
         remaining = self.budget_s - self.spent
         for r in list(self.running):
@@ -364,8 +260,7 @@ class Worker:
         self.study.tell(t, state=TrialState.FAIL)
         if again:
             with self._locked():
-                self.study.enqueue_trial(self._calibration_values(n), user_attrs={"role": "calibration", "gpus": n,
-                                                                                  "calibration_steps": 2 * steps})
+                calibration.enqueue(self.study, self.spec, self.base, len(self.devices), self.log, n, 2 * steps)
                 popped = self._pop()
             if popped is not None:
                 self.queue.insert(0, popped)  # ahead of the search trials that wait for it
@@ -380,7 +275,7 @@ class Worker:
 
     def _next(self) -> Pending:
         """A waiting (calibration or enqueued) trial of the study if there is one, else a proposal."""
-        self._fail_stale()  # before each new trial: a dead worker's trials end first
+        self.peers.fail_stale()  # before each new trial: a dead worker's trials end first
         with self._locked():
             popped = self._pop()
         if popped is not None:
@@ -400,14 +295,13 @@ class Worker:
             trial = self.study.ask()
         trial.set_user_attr("worker", self.worker_id)
         trial.set_user_attr("host", self.host)
-        if self.storage is not None:  # at once: Optuna never takes a trial without a heartbeat for stale
-            self.storage.beat(self.study, [trial])
+        self.peers.created(trial)
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
         values = proposals.suggest(trial, self.spec, self.base)
         run_values = values
         if role == "calibration":  # a step-limited training: one timed epoch boundary (draftlab.compat)
             steps = int(trial.user_attrs.get("calibration_steps") or self.spec.calibration.steps)
-            run_values = {**values, "train.epochs": CALIBRATION_EPOCHS, "train.max_steps": steps}
+            run_values = calibration.run_values(values, steps)
         params = trial_params(self.base, run_values)
         self._describe(trial, role, params)
         return Pending(trial, values, params, role)
@@ -505,7 +399,7 @@ class Worker:
         else:
             pred = model.predict(p.params)
             if pred is None:  # its calibration runs here or on another worker: wait for it
-                if not self.running and not self._calibration_live():
+                if not self.running and not calibration.live(self.study):
                     self._wait_for_calibration(p)
                 return "stop"
             predicted = pred.wall_s
@@ -538,8 +432,7 @@ class Worker:
         if p.trial is None:  # a proposal becomes a trial of the study now: RUNNING from its launch
             p.trial = proposals.create_running(self.study, p.values, p.distributions,
                                                {"worker": self.worker_id, "host": self.host})
-            if self.storage is not None:  # at once: Optuna never takes a trial without a heartbeat for stale
-                self.storage.beat(self.study, [p.trial])
+            self.peers.created(p.trial)
             self._describe(p.trial, p.role, p.params)
         trial_dir = self.out_dir / f"trial-{p.trial.number:04d}"
         spec = TrialSpec(p.trial.number, p.values, p.params, devices, p.role, trial_dir)

@@ -15,7 +15,8 @@ from pathlib import Path
 from draftlab.costmodel import Point
 from draftlab.params import Params
 from draftlab.sweep.budget import SystemClock, steps_from_lengths
-from draftlab.sweep.loop import CALIBRATION_ATTR, PARENT_RUN_ATTR, Worker, drive, save_calibration
+from draftlab.sweep import calibration
+from draftlab.sweep.loop import PARENT_RUN_ATTR, Worker, drive
 from draftlab.sweep.propose import sampler
 from draftlab.sweep.report import report
 from draftlab.sweep.space import SpaceError, SweepSpec, check_spec
@@ -152,10 +153,10 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     storage = open_storage(url, spec)
     study = open_study(spec, storage, base)
     with storage.lock(spec.study):
-        calibrated = {int(n) for n in study.user_attrs.get(CALIBRATION_ATTR, {})}
+        calibrated = set(calibration.points(study))
         for n, point in reused.items():
             if n not in calibrated:
-                save_calibration(study, point)
+                calibration.save(study, point)
                 console.print(f"[bold]sweep[/]: calibration at {n} GPU(s) from {point.source}: start-up "
                               f"{point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch")
     calibrated |= set(reused)
