@@ -37,9 +37,8 @@ def _wait(predicate, timeout_s: float, what: str):
 def _load(url: str, name: str):
     import optuna
 
-    from draftlab.sweep.storage import driver_url
 
-    return optuna.load_study(study_name=name, storage=driver_url(url))
+    return optuna.load_study(study_name=name, storage=url)
 
 
 def test_two_workers_share_one_budget_one_calibration_and_never_run_a_trial_twice(tmp_path, postgres_url):
@@ -74,9 +73,8 @@ def test_two_workers_share_one_budget_one_calibration_and_never_run_a_trial_twic
     assert not [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
     import sqlalchemy
 
-    from draftlab.sweep.storage import driver_url
 
-    engine = sqlalchemy.create_engine(driver_url(postgres_url))
+    engine = sqlalchemy.create_engine(postgres_url)
     with engine.connect() as conn:
         beats = conn.execute(sqlalchemy.text("SELECT count(*) FROM trial_heartbeats")).scalar()
     engine.dispose()
@@ -133,9 +131,8 @@ def test_workers_starting_together_queue_one_calibration_per_gpu_count(tmp_path,
 
     space = _space(tmp_path, postgres_url, devices=2, space={"train.gpus": {"choices": [1]},
                                                              "train.epochs": {"low": 1, "high": 3}})
-    from draftlab.sweep.storage import driver_url
 
-    optuna.create_study(study_name="procs", storage=driver_url(postgres_url), direction="maximize")  # schema once
+    optuna.create_study(study_name="procs", storage=postgres_url, direction="maximize")  # schema once
     at = time.time() + 5  # after every process has imported and connected, on a loaded machine too
     procs = [spawn(space, f"w{i}", "--start-only", "--at", str(at)) for i in range(4)]
     codes = [_end(p) for p in procs]
@@ -210,9 +207,8 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
         "study": "real", "params": "params.yaml", "budget": 1800, "devices": 1, "storage": postgres_url,
         "pruner": {"kind": "none"}, "calibration": {"reuse": False},
         "space": {"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}}}))
-    from draftlab.sweep.storage import driver_url
 
-    study = optuna.create_study(study_name="real", storage=driver_url(postgres_url), direction="maximize")
+    study = optuna.create_study(study_name="real", storage=postgres_url, direction="maximize")
     calibration.save(study, Point(1, fixed_s=30, step_s=0.5, epoch_s=2, tokens_per_s=500, steps=21, epochs=2,
                                   wall_s=45, source="stated", after_s=10))
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", HF_HUB_OFFLINE="1")

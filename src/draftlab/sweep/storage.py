@@ -1,9 +1,8 @@
 """Where a study lives, and what keeps several workers on it from stepping on each other.
 
     null / a path          a JournalStorage file (default): any number of workers on one host
-    postgresql://u:p@h/db  RDBStorage (psycopg2): workers on several hosts (SQLAlchemy 2.1 reads a
-                           bare postgresql:// as psycopg 3, which draftlab does not ship: such a
-                           URL is given the psycopg2 driver, `postgresql+psycopg2://`)
+    postgresql://u:p@h/db  RDBStorage (SQLAlchemy 2.1 opens it with psycopg 3; psycopg2 with
+                           postgresql+psycopg2://; both are in the lock): workers on several hosts
     sqlite:///path         RDBStorage on one host (locks under many writers: prefer the journal)
 
 Two mechanisms, both in the database so that they hold across hosts:
@@ -61,7 +60,7 @@ class StudyStorage:
             with warnings.catch_warnings():  # heartbeat_interval is "experimental" since Optuna 2.9
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.optuna = optuna.storages.RDBStorage(
-                    driver_url(url), engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=heartbeat_s,
+                    url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=heartbeat_s,
                     grace_period=stale_after_s, heartbeat_stale_trial_callback=self._stale)
         except Exception as err:  # noqa: BLE001 — unreachable database, missing driver: one line
             raise SpaceError(f"storage: cannot open {url!r} ({type(err).__name__}: "
@@ -118,11 +117,6 @@ class StudyStorage:
     def _stale(self, study, trial) -> None:  # RDBStorage's heartbeat_stale_trial_callback
         if self._on_stale is not None:
             self._on_stale(trial)
-
-
-def driver_url(url: str) -> str:
-    """The SQLAlchemy URL for a storage URL: `postgresql://` → `postgresql+psycopg2://`."""
-    return "postgresql+psycopg2://" + url[len("postgresql://"):] if url.startswith("postgresql://") else url
 
 
 def interrupted(study) -> dict[int, dict]:
