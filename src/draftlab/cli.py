@@ -1,18 +1,23 @@
 """`draftlab` command line: a thin translation from flags and `--params` to stage functions.
 
 Heavy libraries (torch, transformers, speculators, mlflow) are imported inside commands, so
-`draftlab --help` and params errors answer at once. User errors print one line and exit 2.
+`draftlab --help` and params errors answer at once. Every command is registered by `command`,
+the one place a user error (draftlab.errors.UserError) becomes one line and its exit code
+(2 for bad input, 1 for work that ran and failed).
 
     draftlab --help
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from draftlab.errors import UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -25,47 +30,37 @@ ParamsOpt = Annotated[Path, typer.Option("--params", help="Params file (see `dra
 TargetOpt = Annotated[Path, typer.Option("--target", help="The target stage's folder (tiny model or pointer).")]
 
 
-def _fail(message: str) -> None:
-    from draftlab.console import console
+def command(*args, **kwargs):
+    """`app.command`, with user errors as one line and their exit code. A FileNotFoundError
+    from a library (a folder given that is not there) is one too, exit 2."""
 
-    console.print(f"[red]error[/]: {message}", soft_wrap=True)
-    raise typer.Exit(2)
+    def register(fn):
+        @functools.wraps(fn)
+        def run(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            except (UserError, FileNotFoundError) as err:
+                from draftlab.console import console
+
+                console.print(f"[red]error[/]: {err}", soft_wrap=True)
+                raise typer.Exit(getattr(err, "exit_code", 2)) from None
+
+        return app.command(*args, **kwargs)(run)
+
+    return register
+
+
+def _fail(message: str):
+    raise UserError(message)
 
 
 def _load(params_path: Path):
-    from draftlab.params import ParamsError, load_params
+    from draftlab.params import load_params
 
-    try:
-        return load_params(params_path)
-    except ParamsError as err:
-        _fail(str(err))
+    return load_params(params_path)
 
 
-def _guard(fn):
-    """Turn user errors raised inside a stage into one line and exit code 2."""
-    from draftlab.errors import UserError
-    from draftlab.params import ParamsError
-    from draftlab.stages.prepare import RecordError
-
-    try:
-        return fn()
-    except UserError as err:
-        from draftlab.console import console
-
-        console.print(f"[red]error[/]: {err}", soft_wrap=True)
-        raise typer.Exit(err.exit_code) from None
-    except (ParamsError, RecordError, FileNotFoundError) as err:
-        _fail(str(err))
-    except RuntimeError as err:
-        if type(err).__name__ not in ("ServingError", "ExtractFailed"):
-            raise
-        from draftlab.console import console
-
-        console.print(f"[red]error[/]: {err}", soft_wrap=True)
-        raise typer.Exit(1) from None
-
-
-@app.command()
+@command()
 def target(
     params: ParamsOpt = Path("params.yaml"),
     out: Annotated[Path, typer.Option(help="Target folder: the tiny model, or a pointer to a real one.")] = Path("models/target"),
@@ -75,10 +70,10 @@ def target(
     p = _load(params)
     from draftlab.stages import target as stage
 
-    _guard(lambda: stage.run(p, out_dir=out, report_path=report))
+    stage.run(p, out_dir=out, report_path=report)
 
 
-@app.command()
+@command()
 def prepare(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -88,10 +83,10 @@ def prepare(
     p = _load(params)
     from draftlab.stages import prepare as stage
 
-    _guard(lambda: stage.run(p, target_dir=target, out_dir=out))
+    stage.run(p, target_dir=target, out_dir=out)
 
 
-@app.command()
+@command()
 def extract(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -103,15 +98,12 @@ def extract(
     from draftlab.stages import extract as stage
     from draftlab.tracking import stage_run
 
-    def go():
-        checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
-        with stage_run("extract") as tracker:
-            return stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
-
-    _guard(go)
+    checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
+    with stage_run("extract") as tracker:
+        stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
 
 
-@app.command()
+@command()
 def train(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -126,17 +118,10 @@ def train(
     from draftlab.stages import train as stage
 
     started = psutil.Process().create_time()  # the cost model's start-up begins with this process
-    try:
-        _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out,
-                                 started_at=started))
-    except stage.TrainingFailed as err:
-        from draftlab.console import console
-
-        console.print(f"[red]error[/]: {err}", soft_wrap=True)
-        raise typer.Exit(1) from None
+    stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out, started_at=started)
 
 
-@app.command()
+@command()
 def evaluate(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -150,11 +135,11 @@ def evaluate(
     from draftlab.stages import evaluate as stage
     from draftlab.tracking import MlflowTracker, run_id_of
 
-    _guard(lambda: stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir,
-                             out_dir=out, tracker=MlflowTracker(run_id_of(train_dir))))
+    stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir, out_dir=out,
+              tracker=MlflowTracker(run_id_of(train_dir)))
 
 
-@app.command()
+@command()
 def export(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -167,11 +152,11 @@ def export(
     from draftlab.stages import export as stage
     from draftlab.tracking import MlflowTracker, run_id_of
 
-    _guard(lambda: stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
-                             tracker=MlflowTracker(run_id_of(train_dir))))
+    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
+              tracker=MlflowTracker(run_id_of(train_dir)))
 
 
-@app.command()
+@command()
 def plan(
     params: ParamsOpt = Path("params.yaml"),
     target: TargetOpt = Path("models/target"),
@@ -188,54 +173,31 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Predict store size, extraction hours, steps, wall-clock and GPU-hours before anything runs (writes nothing)."""
-    import json as _json
+    import json
 
-    from draftlab.params import ParamsError, load_params
-
-    try:  # a profile whose data is not there yet can be planned from counts
-        p = load_params(params, check_paths=False)
-    except ParamsError as err:
-        _fail(str(err))
-    from draftlab import planning as pl
-    from draftlab import plan_inputs
+    from draftlab import planning
     from draftlab.console import console
+    from draftlab.params import load_params
 
+    p = load_params(params, check_paths=False)  # a profile whose data is not there yet can be planned from counts
     try:
         counts = [int(x) for x in gpus.split(",") if x.strip()]
         if not counts or min(counts) < 1:
             raise ValueError
     except ValueError:
         _fail(f"--gpus: expected comma-separated positive integers, got {gpus!r}")
-
-    def inputs():
-        stated = plan_inputs.stated_counts(samples, tokens)
-        lengths = None if stated else plan_inputs.dataset_lengths(data)
-        n_samples, n_tokens = stated or (len(lengths), int(sum(lengths)))
-        h, _ = plan_inputs.hidden_size(p, target, store, hidden_size)
-        return lengths, n_samples, n_tokens, h
-
-    lengths, n_samples, n_tokens, h = _guard(inputs)
-    scenario = pl.Scenario.from_params(p, num_samples=n_samples, num_tokens=n_tokens, hidden_size=h)
-    points, _note = plan_inputs.measured_points(p, store)
-    from draftlab import store as st
-
-    existing = _guard(lambda: st.read_manifest(store).total_bytes) if st.has_manifest(store) else 0
-    disk_dir = store if store.exists() else Path(".")
-    result = pl.make_plan(
-        scenario, lengths=lengths, gpu_counts=counts, points=points,
-        stated=pl.Throughput(at_gpus, tokens_per_s) if tokens_per_s else None,
-        extract_tokens_per_s=pl.Throughput(1, extract_tokens_per_s, "stated") if extract_tokens_per_s else None,
-        disk_free=pl.disk_free_bytes(disk_dir) + existing,
-        shm_bytes=int(shm_mb * 1e6) if shm_mb else pl.shm_free_bytes(),
-    )
+    result, note = planning.plan_for(
+        p, target_dir=target, data_dir=data, store_dir=store, gpu_counts=counts, samples=samples, tokens=tokens,
+        hidden_size=hidden_size, tokens_per_s=tokens_per_s, at_gpus=at_gpus, extract_tokens_per_s=extract_tokens_per_s,
+        shm_bytes=int(shm_mb * 1e6) if shm_mb else None)
     if as_json:
-        typer.echo(_json.dumps(result.to_json(), default=str))
+        typer.echo(json.dumps(result.to_json(), default=str))
     else:
-        console.print(pl.plan_table(result))
-        console.print(f"[dim]measurements: {_note}[/]")
+        console.print(planning.plan_table(result))
+        console.print(f"[dim]measurements: {note}[/]")
 
 
-@app.command()
+@command()
 def sweep(
     space: Annotated[Path, typer.Argument(help="Search space file, e.g. experiments/sweep-tiny.yaml.")],
     budget: Annotated[str | None, typer.Option(help="Total wall-clock, calibration included: 24h, 90m, 1h30m.")] = None,
@@ -251,26 +213,19 @@ def sweep(
     out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = Path("runs/sweeps"),
 ) -> None:
     """Optuna over epochs, lr and GPU count inside a wall-clock budget (resumable; workers share it)."""
-    from draftlab.sweep.space import SpaceError, read_spec
+    from draftlab.sweep import study as sweep_study
+    from draftlab.sweep.space import read_spec
 
-    def go():
-        from draftlab.sweep import study as sweep_study
-
-        spec = read_spec(space, budget=budget, trial_cap=trial_cap, storage=storage, study=study,
-                         params=str(params) if params else None)
-        base = _load(Path(spec.params))
-        return sweep_study.run(spec, base, target_dir=target, data_dir=data, store_dir=store, out_dir=out,
-                               devices_flag=devices, n_trials=n_trials)
-
-    try:
-        summary = _guard(go)
-    except SpaceError as err:
-        _fail(str(err))
+    spec = read_spec(space, budget=budget, trial_cap=trial_cap, storage=storage, study=study,
+                     params=str(params) if params else None)
+    base = _load(Path(spec.params))
+    summary = sweep_study.run(spec, base, target_dir=target, data_dir=data, store_dir=store, out_dir=out,
+                              devices_flag=devices, n_trials=n_trials)
     if "best" not in summary:  # the study has no completed trial: the line above said why
         raise typer.Exit(1)
 
 
-@app.command()
+@command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
     quick: Annotated[bool, typer.Option(help="Check sizes and headers only, skip re-hashing.")] = False,
@@ -293,7 +248,7 @@ def verify(
             console.print(f"[yellow]verify[/]: {line}", soft_wrap=True)
         console.print(f"[bold]verify[/]: {len(found)} bad file(s) in {store} → {report}")
         return
-    problems = _guard(lambda: st.verify(store, full=not quick))
+    problems = st.verify(store, full=not quick)
     for line in problems:
         console.print(line, soft_wrap=True)
     if problems:
@@ -301,7 +256,7 @@ def verify(
     console.print(f"[green]ok[/]: {store} matches its manifest")
 
 
-@app.command()
+@command()
 def use(
     experiment: Annotated[Path, typer.Argument(help="A profile from experiments/ (a partial params tree).")],
     params: ParamsOpt = Path("params.yaml"),
@@ -310,7 +265,7 @@ def use(
     import yaml
 
     from draftlab.console import console
-    from draftlab.params import ParamsError, merge, parse_params
+    from draftlab.params import merge, parse_params
     from draftlab.util import write_bytes_atomic
 
     if not experiment.is_file():
@@ -318,16 +273,16 @@ def use(
     try:
         base = yaml.safe_load(params.read_text()) or {}
         overlay = yaml.safe_load(experiment.read_text()) or {}
-        merged = merge(base, overlay)
-        parse_params(merged, str(experiment))
-    except (ParamsError, yaml.YAMLError, OSError) as err:
+    except (yaml.YAMLError, OSError) as err:
         _fail(str(err))
+    merged = merge(base, overlay)
+    parse_params(merged, str(experiment))
     header = f"# params.yaml: {experiment} merged in by `draftlab use`; run `dvc repro` (or `dvc exp run`).\n"
     write_bytes_atomic(params, (header + yaml.safe_dump(merged, sort_keys=False)).encode())
     console.print(f"[bold]use[/]: {experiment} → {params}; `git diff {params}` shows what changed")
 
 
-@app.command()
+@command()
 def summary(
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
@@ -337,7 +292,7 @@ def summary(
     show(_load(params))
 
 
-@app.command("tracking-import")
+@command("tracking-import")
 def tracking_import(
     spool: Annotated[Path, typer.Argument(help="A spool written while MLflow was unreachable.")],
 ) -> None:
@@ -352,7 +307,7 @@ def tracking_import(
     console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
 
 
-@app.command("params")
+@command("params")
 def params_reference() -> None:
     """Print the params reference (every key, its default and meaning)."""
     from draftlab.params import Params, reference

@@ -1,8 +1,11 @@
 """The one user-error type: a mistake or a condition the user can act on, said in one line.
 
-The CLI catches `UserError` once, prints its message as one line and exits with its
-`exit_code` (2 for bad input; 1 for work that ran and failed, e.g. a training that diverged).
-Anything else is a bug and keeps its traceback.
+Every error draftlab means a user to read derives from `UserError`: params (`ParamsError`), a
+sweep space (`SpaceError`), an input record (`RecordError`), a run-folder file (`RunFileError`),
+a missing stage input (`MissingInput`), this host's state (`HostError`: a folder in use, a full
+disk, a port taken), and work that ran and failed (`ServingError`, `ExtractFailed`,
+`TrainingFailed`, exit 1). The CLI catches `UserError` once (draftlab.cli), prints its message
+as one line and exits with its `exit_code`; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,3 +19,12 @@ class UserError(Exception):
 
 class RunFileError(UserError):
     """A run-folder file (draftlab.rundir) that is missing, partial or malformed."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A stage's input is not there yet; the message names the command that makes it."""
+
+
+class HostError(UserError):
+    """This host's state stops the work: a run folder another process holds, too little free
+    disk, a port already taken. Nothing in params is wrong; the message says what to free."""

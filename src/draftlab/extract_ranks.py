@@ -22,13 +22,16 @@ import tempfile
 import threading
 from pathlib import Path
 
+from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError
 
 RECORDS = "draftlab-records "  # prefix of the one kind of line a rank writes on its stdout
 
 
-class ExtractFailed(RuntimeError):
+class ExtractFailed(UserError, RuntimeError):
     """A rank exited with an error; the message carries the tail of its log."""
+
+    exit_code = 1
 
 
 def plan_placement(params: Params, target_dir: Path):

@@ -15,11 +15,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftlab.errors import UserError
+
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """A user error in params: one line naming the dotted key and what to do."""
 
 

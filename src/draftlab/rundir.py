@@ -16,6 +16,7 @@ pydantic model here, and its name is known only here:
     <run>/timing.json               Timing         the cost model's measurements of the run
     <run>/rank0-done.json           RankDone       rank 0 → the launcher: its observers' CPU time
     <run>/train.json                TrainRecord    train → evaluate, export, sweep trials
+    <run>/tracking-spool.jsonl      SpoolRecord    MLflow calls kept during an outage → tracking-import
     <trial>/trial.json              TrialInfo      the sweep → its record of what a trial is
     <trial>/result.json             TrialResult    a trial process → the sweep
 
@@ -28,10 +29,11 @@ single-node runs always had.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, TypeAdapter, ValidationError
 
 from draftlab.errors import RunFileError
 from draftlab.util import write_json_atomic
@@ -252,6 +254,69 @@ class TrainRecord(Record):
 
 
 TRAIN = "run `draftlab train` (or `dvc repro train`)"
+
+
+class SpooledMetrics(Record):
+    run_id: str
+    kind: Literal["metrics"]
+    metrics: dict[str, float]
+    step: int | None = None
+    timestamp: int
+
+
+class SpooledParams(Record):
+    run_id: str
+    kind: Literal["params"]
+    params: dict[str, str]
+
+
+class SpooledTags(Record):
+    run_id: str
+    kind: Literal["tags"]
+    tags: dict[str, str]
+
+
+class SpooledArtifact(Record):
+    run_id: str
+    kind: Literal["artifact"]
+    path: str
+    artifact_path: str | None = None
+
+
+SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact, Field(discriminator="kind")]
+_SPOOL = TypeAdapter(SpoolRecord)
+
+
+def append_spool(path: Path, record: dict) -> None:
+    """One MLflow call, kept while the tracking store is unreachable (one JSON line)."""
+    _SPOOL.validate_python(record)  # a record the import could not read is never written
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")  # json's NaN/Infinity, as MLflow takes them
+
+
+def read_spool(path: Path) -> list[SpoolRecord]:
+    """Every record of a spool, or one line naming the first bad one (nothing is uploaded then)."""
+    path = Path(path)
+    remedy = ("a `draftlab tracking-import` spool has one MLflow call per line, as MlflowTracker writes them; "
+              "fix or delete that line and import again (nothing was uploaded)")
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: not found; pass the spool named when MLflow was unreachable") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunFileError(f"{path}: unreadable ({type(err).__name__}); {remedy}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_SPOOL.validate_json(line))
+        except ValidationError as err:
+            why = "not JSON" if any(e["type"] == "json_invalid" for e in err.errors()) else f"malformed ({_problem(err)})"
+            raise RunFileError(f"{path}:{number}: {why}; {remedy}") from None
+    return records
 
 
 class RunDir:

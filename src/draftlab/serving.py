@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from draftlab import procs
+from draftlab.errors import HostError, UserError
 from draftlab.params import ParamsError
 
 SERVED_NAME = "draftlab-target"
@@ -43,8 +44,10 @@ _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-class ServingError(RuntimeError):
+class ServingError(UserError, RuntimeError):
     """A vLLM server that did not start, answer or expose what the benchmark reads."""
+
+    exit_code = 1
 
 
 def require_gpu_and_vllm() -> None:
@@ -180,7 +183,7 @@ def running(command: list[str], *, port: int, log_path: Path, what: str, startup
     this process), waited for on /health, stopped as a whole group on every exit path. Yields
     its base URL."""
     if _port_in_use(port):
-        raise ParamsError(f"{port_key}: port {port} is already in use; stop that server or pick another port")
+        raise HostError(f"{port_key}: port {port} is already in use; stop that server or pick another port")
     base = f"http://127.0.0.1:{port}"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab.errors import MissingInput
+
 
 def load_draft(checkpoint_dir: Path | str, verifier_dir: Path | str, *, dtype: str = "float32"):
     """A speculators checkpoint on CPU, eval mode, sdpa attention, verifier = the local target."""
@@ -37,7 +39,7 @@ def load_draft(checkpoint_dir: Path | str, verifier_dir: Path | str, *, dtype: s
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
     if not (Path(checkpoint_dir) / "config.json").exists():
-        raise FileNotFoundError(f"{checkpoint_dir}: no config.json; pass a speculators checkpoint folder")
+        raise MissingInput(f"{checkpoint_dir}: no config.json; pass a speculators checkpoint folder")
     config = SpeculatorModelConfig.from_pretrained(str(checkpoint_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"  # not saved; flex has no CPU path
     config.speculators_config.verifier.name_or_path = str(verifier_dir)  # saved path may be elsewhere

@@ -6,7 +6,8 @@ points it at a team server); `NullTracker` is for non-zero ranks; `RecordingTrac
 everything in memory for tests. One owner starts and ends a run: the launcher process.
 
 If the tracking server cannot be reached, `MlflowTracker` keeps going: every call is appended
-to a local JSONL spool (`<spool>`), and `draftlab tracking import SPOOL` replays it later.
+to a local JSONL spool (draftlab.rundir.SpoolRecord), and `draftlab tracking-import SPOOL`
+replays it later.
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ class MlflowTracker:
                     self._warn(err)
                     break
         if self.spool:
-            self.spool.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.spool, "a") as f:
-                f.write(json.dumps({"run_id": self.run_id, "kind": kind, **payload}) + "\n")
+            from draftlab.rundir import append_spool
+
+            append_spool(self.spool, {"run_id": self.run_id, "kind": kind, **payload})
 
     def _warn(self, err: Exception) -> None:
         from draftlab.console import console
@@ -167,26 +168,26 @@ class MlflowTracker:
 
 
 def replay_spool(spool: Path) -> int:
-    """Upload a spool written during an outage; returns the number of records replayed."""
+    """Upload a spool written during an outage; returns the number of records replayed. The
+    whole file is read first: a bad line is one RunFileError and nothing is uploaded."""
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
+    from draftlab.rundir import read_spool
+
+    records = read_spool(spool)
     client = MlflowClient(tracking_uri())
-    n = 0
-    for line in Path(spool).read_text().splitlines():
-        rec = json.loads(line)
-        run_id = rec["run_id"]
-        if rec["kind"] == "metrics":
-            client.log_batch(run_id, metrics=[
-                Metric(k, float(v), rec["timestamp"], rec["step"] or 0) for k, v in rec["metrics"].items()])
-        elif rec["kind"] == "params":
-            client.log_batch(run_id, params=[Param(k, v) for k, v in rec["params"].items()])
-        elif rec["kind"] == "tags":
-            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in rec["tags"].items()])
-        elif rec["kind"] == "artifact":
-            client.log_artifact(run_id, rec["path"], rec["artifact_path"])
-        n += 1
-    return n
+    for rec in records:
+        if rec.kind == "metrics":
+            client.log_batch(rec.run_id, metrics=[
+                Metric(k, float(v), rec.timestamp, rec.step or 0) for k, v in rec.metrics.items()])
+        elif rec.kind == "params":
+            client.log_batch(rec.run_id, params=[Param(k, v) for k, v in rec.params.items()])
+        elif rec.kind == "tags":
+            client.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
+        else:
+            client.log_artifact(rec.run_id, rec.path, rec.artifact_path)
+    return len(records)
 
 
 def git_tags(root: Path = Path(".")) -> dict[str, str]:

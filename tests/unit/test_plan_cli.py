@@ -12,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from draftlab import planning as pl
+from draftlab import plan_steps
 from draftlab.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_samples_longer_than_total_seq_len_warn_instead_of_crashing(here):
 
 def test_step_bounds_never_print_inverted(here):
     # 9 samples over 8 ranks: at most 1 step; 85 tokens need ceil(85 / 80) = 2 rows by tokens alone
-    assert pl.packing_bounds(85, 9, 10, 8) == (1, 1)
+    assert plan_steps.packing_bounds(85, 9, 10, 8) == (1, 1)
     assert pl._range((5_938, 5_937)) == "5,937–5,938"
     shutil.copy(REPO / "experiments" / "kimi-k2.5-8gpu.yaml", here / "params.yaml")
     out = plan(*KIMI_COUNTS, "--hidden-size", "7168", "--gpus", "8", "--json")

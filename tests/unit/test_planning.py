@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from draftlab import planning as pl
+from draftlab import plan_steps
 
 KIMI = dict(num_samples=37_312, num_tokens=87_800_000, hidden_size=7168, dtype="bfloat16", train_ratio=0.95,
             total_seq_len=4096, epochs=5, world_size=4, seed=0, lr_scaling="none", lr_base_gpus=1,
@@ -105,11 +106,11 @@ def test_header_constant_matches_a_real_file():
 
 
 def test_synthesised_lengths_keep_the_stated_counts():
-    for sigma in pl.LENGTH_SIGMAS:
-        x = pl.synthesise_lengths(1000, 1_500_000, sigma=sigma, max_len=4096, seed=3)
+    for sigma in plan_steps.LENGTH_SIGMAS:
+        x = plan_steps.synthesise_lengths(1000, 1_500_000, sigma=sigma, max_len=4096, seed=3)
         assert len(x) == 1000 and int(x.sum()) == 1_500_000 and x.min() >= 1 and x.max() <= 4096
     with pytest.raises(ValueError):
-        pl.synthesise_lengths(10, 10 * 4097, sigma=0.5, max_len=4096)
+        plan_steps.synthesise_lengths(10, 10 * 4097, sigma=0.5, max_len=4096)
 
 
 def test_rank0_step_count_is_the_accounting_count():
@@ -126,11 +127,11 @@ def test_rank0_step_count_is_the_accounting_count():
     for w in (1, 2, 4):
         a = acc.plan_epochs(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
         for e in a.epochs:
-            assert pl.epoch_steps(lengths, total_seq_len=1024, world_size=w, seed=5, epoch=e.epoch) == e.steps
+            assert plan_steps.epoch_steps(lengths, total_seq_len=1024, world_size=w, seed=5, epoch=e.epoch) == e.steps
             s = standalone(batch_max_length=1024, lengths=lengths, num_replicas=w, rank=w - 1, seed=5)
             s.set_epoch(e.epoch)
             assert len(s) == e.steps
-        exact = pl.plan_from_lengths(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
+        exact = plan_steps.plan_from_lengths(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
         assert exact.exact and exact.total_steps[0] == a.total_steps
 
 

@@ -82,13 +82,13 @@ def test_union_counts_overlapping_worker_spans_once():
 
 
 def test_prediction_uses_the_packing_sampler_and_the_calibrated_costs():
-    from draftlab import planning
+    from draftlab import plan_steps
 
     lengths = [50 + (i * 37) % 400 for i in range(101)]
     steps = steps_from_lengths(lengths)
     p1 = BASE.model_copy(update={"train": BASE.train.model_copy(update={"epochs": 3, "total_seq_len": 512})})
     p2 = p1.model_copy(update={"train": p1.train.model_copy(update={"gpus": 2})})
-    one_epoch = planning.plan_from_lengths(lengths, total_seq_len=512, world_size=1, epochs=1, exact=False)
+    one_epoch = plan_steps.plan_from_lengths(lengths, total_seq_len=512, world_size=1, epochs=1, exact=False)
     assert steps(p1) == 3 * one_epoch.central_total_steps
     assert steps(p2) < steps(p1), "two ranks shard the data: fewer global steps"
     point = Point(1, fixed_s=30, step_s=0.5, epoch_s=4, tokens_per_s=900, steps=10, epochs=1, wall_s=39, trial=0)

@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftlab.errors import MissingInput
 from draftlab.params import Params, ParamsError
 from draftlab.rundir import Manifest, RunDir, TrainRecord
 from draftlab.util import atomic_dir, write_json_atomic
@@ -100,7 +101,7 @@ def _load_weights(checkpoint: Path) -> dict:
         for shard in shards:
             weights.update(load_file(checkpoint / shard))
         return weights
-    raise FileNotFoundError(f"{checkpoint}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); is this a speculators checkpoint?")
+    raise MissingInput(f"{checkpoint}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); is this a speculators checkpoint?")
 
 
 def _read_checkpoint(train_dir: Path) -> tuple[TrainRecord, Path, dict]:
@@ -113,7 +114,7 @@ def _read_checkpoint(train_dir: Path) -> tuple[TrainRecord, Path, dict]:
                           "train.max_steps: null and train")
     checkpoint = Path(train.checkpoint)
     if not (checkpoint / "config.json").exists():
-        raise FileNotFoundError(f"{checkpoint}/config.json: the checkpoint named by {pointer} is missing")
+        raise MissingInput(f"{checkpoint}/config.json: the checkpoint named by {pointer} is missing")
     return train, checkpoint, json.loads((checkpoint / "config.json").read_text())
 
 

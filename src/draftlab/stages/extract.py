@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import store
+from draftlab.errors import HostError, MissingInput
 from draftlab.params import Params, ParamsError
 from draftlab.rundir import Manifest, StoreDir, TargetInfo
 from draftlab.util import sha256_file, write_bytes_atomic
@@ -249,7 +250,7 @@ def vllm_command(params: Params, *, data_dir: Path, out_dir: Path, endpoint: str
 def _check_disk(out_dir: Path, need_bytes: int, min_free_frac: float) -> None:
     usage = shutil.disk_usage(out_dir)
     if need_bytes > usage.free - min_free_frac * usage.total:
-        raise ParamsError(
+        raise HostError(
             f"extract: the store needs {need_bytes / 2**30:.2f} GiB more but {out_dir} has "
             f"{usage.free / 2**30:.2f} GiB free (keeping {min_free_frac:.0%} spare); free space or move the store"
         )
@@ -301,7 +302,7 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
 
         vllm_extract.preflight(params)  # a GPU and a vllm executable to start the server with
     if not (Path(data_dir) / "dataset_info.json").exists():
-        raise FileNotFoundError(f"{data_dir}: no prepared dataset; run `dvc repro prepare`")
+        raise MissingInput(f"{data_dir}: no prepared dataset; run `dvc repro prepare`")
     cfg = AutoConfig.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layer_ids = resolve_layer_ids(params.extract.layer_ids, cfg.num_hidden_layers)
@@ -516,7 +517,7 @@ def _manifest_from_files(params: Params, c: Checked, *, data_dir: Path, out_dir:
     for i in range(len(ds)):
         path = out_dir / store.file_name(i)
         if not path.exists():
-            raise FileNotFoundError(f"{path}: speculators generate-offline-data did not write it")
+            raise MissingInput(f"{path}: speculators generate-offline-data did not write it")
         with safe_open(path, "pt") as f:
             shape = f.get_slice("hidden_states").get_shape()
         got = store.file_dtype(path)

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import corpus
+from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError
 
 ROLES = {"system", "user", "assistant", "tool"}
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A malformed input record; the message starts with file:line."""
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import corpus
+from draftlab.errors import MissingInput
 from draftlab.params import Params
 from draftlab.util import atomic_dir, write_json_atomic
 
@@ -177,7 +178,7 @@ def resolve(params: Params, target_dir: Path) -> str:
     t = params.target
     if t.source == "tiny":
         if not (Path(target_dir) / "config.json").exists():
-            raise FileNotFoundError(f"{target_dir}: the tiny target is not built; run `dvc repro target`")
+            raise MissingInput(f"{target_dir}: the tiny target is not built; run `dvc repro target`")
         return str(target_dir)
     return str(Path(t.path).expanduser()) if t.source == "local" else t.path
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from draftlab import accounting as acc
 from draftlab import run_timing, store
-from draftlab.errors import UserError
+from draftlab.errors import HostError, UserError
 from draftlab.params import Params, ParamsError, flatten
 from draftlab.rundir import (AccountingCheck, AccountingRecord, Command, Launch, Manifest, RankPlan, RunDir,
                              RunState, TrainRecord)
@@ -223,7 +223,7 @@ def exclusive(out_dir: Path, node_rank: int = 0):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ParamsError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
+        raise HostError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
     try:
         yield
     finally:

@@ -88,8 +88,8 @@ def point_from_outcome(gpus: int, trial: int, out: Outcome) -> Point:
 
 def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:
     """Global steps of a trial: speculators' packing sampler over the train split's lengths at
-    the trial's world size (planning.plan_from_lengths: epoch 0 × epochs, as `plan` tables do)."""
-    from draftlab import planning
+    the trial's world size (plan_steps.plan_from_lengths: epoch 0 × epochs, as `plan` tables do)."""
+    from draftlab import plan_steps
 
     cache: dict[tuple, int] = {}
 
@@ -97,8 +97,8 @@ def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:
         t = params.train
         key = (t.world_size(), t.total_seq_len, t.seed)
         if key not in cache:
-            cache[key] = planning.plan_from_lengths(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
-                                                    epochs=1, seed=t.seed, exact=False).central_total_steps
+            cache[key] = plan_steps.plan_from_lengths(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
+                                                      epochs=1, seed=t.seed, exact=False).central_total_steps
         return cache[key] * t.epochs
 
     return steps

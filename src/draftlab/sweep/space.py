@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError, flatten, merge, parse_params
 from draftlab.sweep.budget import HEARTBEAT_S, STALE_AFTER_S
 
@@ -34,7 +35,7 @@ _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*d)?\s*(?:(\d+(?:\.\d+)?)\s*h)?
                        r"(?:(\d+(?:\.\d+)?)\s*s)?\s*$")
 
 
-class SpaceError(ValueError):
+class SpaceError(UserError, ValueError):
     """A user error in a sweep space: one line naming the key and what to do."""
 
 

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threads.configure()  # the slot's share, set by the sweep in OMP_NUM_THREADS
 
-    from draftlab.params import ParamsError, load_params
+    from draftlab.errors import UserError
+    from draftlab.params import load_params
     from draftlab.stages import evaluate, train
     from draftlab.tracking import MlflowTracker
 
@@ -96,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = 0
     except KeyboardInterrupt:
         result, rc = TrialResult(ok=False, message="stopped by the sweep (SIGTERM)"), 143
-    except ParamsError as err:
-        result, rc = TrialResult(ok=False, message=str(err)), 2
+    except UserError as err:  # bad params, a training that failed its checks, …: its one line
+        result, rc = TrialResult(ok=False, message=str(err)), err.exit_code
     except Exception as err:  # noqa: BLE001 — the sweep records why and goes on
         result, rc = TrialResult(ok=False, message=f"{type(err).__name__}: {err}"), 1
     if result.wall_s is None:
