@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from draftlab import serving
-from draftlab.params import ParamsError
+from draftlab.errors import HostError
 
 
 FAKE_VLLM = textwrap.dedent('''
@@ -125,7 +125,7 @@ def test_a_busy_port_is_refused(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        with pytest.raises(ParamsError, match="already in use"):
+        with pytest.raises(HostError, match="already in use"):
             serving.benchmark_server(["false"], port=busy.getsockname()[1], prompts=[[1]], max_tokens=4,
                                      log_path=tmp_path / "vllm.log", speculative=False)
     assert not (tmp_path / "vllm.log").exists()
