@@ -94,9 +94,9 @@ def digest(sample_ids) -> str:
 def rank_batches(lengths: list[int], *, total_seq_len: int, world_size: int, rank: int, seed: int, epoch: int):
     """The batches (lists of train-split sample ids) rank `rank` gets in `epoch`: the trainer's
     own sampler, constructed as speculators' dataloader constructs it."""
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from draftlab import compat
 
-    sampler = MultipackDistributedBatchSamplerV2(
+    sampler = compat.sampler_class()(
         batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size, rank=rank, seed=seed
     )
     sampler.set_epoch(epoch)

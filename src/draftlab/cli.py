@@ -95,6 +95,10 @@ def extract(
 ) -> None:
     """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
     p = _load(params)
+    from draftlab import dvc_track
+
+    if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
+        _fail(problem)
     from draftlab.stages import extract as stage
     from draftlab.tracking import stage_run
 
@@ -280,6 +284,31 @@ def use(
     header = f"# params.yaml: {experiment} merged in by `draftlab use`; run `dvc repro` (or `dvc exp run`).\n"
     write_bytes_atomic(params, (header + yaml.safe_dump(merged, sort_keys=False)).encode())
     console.print(f"[bold]use[/]: {experiment} → {params}; `git diff {params}` shows what changed")
+
+
+@command("dvc-track")
+def dvc_track_cmd(
+    mode: Annotated[str, typer.Argument(help="files (DVC versions every store file) | manifest (only manifest.json).")],
+    params: ParamsOpt = Path("params.yaml"),
+    dvc_yaml: Annotated[Path, typer.Option("--dvc-yaml", help="The pipeline file to keep in step.")] = Path("dvc.yaml"),
+) -> None:
+    """Choose what DVC versions of the hidden-state store: sets extract.dvc_track and dvc.yaml's extract outputs."""
+    from draftlab import dvc_track
+    from draftlab.console import console
+
+    if mode not in dvc_track.MODES:
+        _fail(f"dvc-track: {mode!r} is not one of {', '.join(dvc_track.MODES)}")
+    for path in (params, dvc_yaml):
+        if not path.is_file():
+            _fail(f"{path}: not found (run from the repository root, or pass --params / --dvc-yaml)")
+    try:
+        dvc_track.write(mode, params_yaml=params, dvc_yaml=dvc_yaml)
+    except ValueError as err:
+        _fail(str(err))
+    _load(params)
+    console.print(f"[bold]dvc-track[/]: extract.dvc_track = {mode} in {params}; {dvc_yaml}'s extract outputs: "
+                  + ("the whole store" if mode == "files" else "its manifest.json only (the files are outside DVC)")
+                  + "; `dvc repro` applies it")
 
 
 @command()

@@ -221,6 +221,28 @@ def _mtime_ns(path: Path) -> int | None:
     return path.stat().st_mtime_ns if path.exists() else None
 
 
+@functools.cache
+def _standalone(submodule: str):
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("speculators is not installed")
+    path = Path(list(spec.submodule_search_locations)[0], *submodule.split(".")).with_suffix(".py")
+    mod_spec = importlib.util.spec_from_file_location(f"draftlab._speculators_{submodule.replace('.', '_')}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def speculators_module(submodule: str):
+    """`speculators.<submodule>` (e.g. "train.distributed_batch_sampler"): the imported module when
+    speculators is loaded, else the same file executed on its own. Importing the package runs its
+    `__init__` (every model, transformers: 9 s of a `draftlab train` launcher's start-up on a
+    loaded 2-core VM); the launcher and `plan` need only the packing sampler and the vocab
+    mapping, whose files import nothing of speculators (tests/unit/test_compat.py pins that)."""
+    check_speculators_version()
+    return sys.modules.get(f"speculators.{submodule}") or _standalone(submodule)
+
+
 def steps_under_max_steps(steps_per_epoch: Sequence[int], max_steps: int | None) -> list[int]:
     """Global steps each epoch trains with ``--max-steps`` in speculators 0.9.0.
 
@@ -299,19 +321,8 @@ def before_checkpoint(hook: Callable[[], None]) -> None:
     Trainer.maybe_save_checkpoint = maybe_save_checkpoint
 
 
-SAMPLER_FILE = ("train", "distributed_batch_sampler.py")  # imports only torch, numpy and the stdlib
-
-
-@functools.cache
 def _standalone_sampler_module():
-    spec = importlib.util.find_spec("speculators")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("speculators is not installed; `draftlab plan` needs its packing sampler")
-    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*SAMPLER_FILE)
-    mod_spec = importlib.util.spec_from_file_location("draftlab._speculators_packing", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
+    return _standalone("train.distributed_batch_sampler")  # imports only torch, numpy and the stdlib
 
 
 def sampler_class():
@@ -340,22 +351,25 @@ class HiddenStateFileError(RuntimeError):
 class VerifiedTransfer:
     """Wraps a hidden-states transfer: every file read is checked against the manifest first.
 
-    For speculators' plain ``FileTransfer`` the verified bytes are decoded directly (one read);
-    another file format (the fp8 backend) is verified, then read by its own transfer. A file
-    whose size and mtime were already verified by this process is not re-hashed (epochs reread
-    every file)."""
+    For speculators' ``FileTransfer`` and hs_connectors' ``FP8Transfer`` the checked bytes are
+    decoded in place (one read into one buffer, tensors are views of it: ``read_store_file``)
+    and fp8 is dequantized by ``dequantize_fp8`` (bit-identical to ``FP8Transfer``'s, ~3× less
+    CPU); another transfer is verified, then reads the file itself. A file whose size and mtime
+    were already verified by this process is not re-hashed (epochs reread every file)."""
 
     def __init__(self, inner, store_dir: Path, records: dict[int, dict], *, full: bool = True):
         self.inner, self.store_dir, self.records, self.full = inner, Path(store_dir), records, full
         self.verified: dict[int, tuple[int, int]] = {}
 
     def __getattr__(self, name):  # setup(), delete(), get_generated() … stay the stock ones
+        if name == "inner" or name.startswith("__"):  # unpickling in a loader worker looks up
+            raise AttributeError(name)  # __setstate__ before `inner` exists
         return getattr(self.inner, name)
 
     def get_cached(self, file_idx: int):
         import hashlib
 
-        from hs_connectors.transfer import FileTransfer
+        from hs_connectors.transfer import FileTransfer, FP8Transfer
 
         from draftlab import store
 
@@ -367,24 +381,110 @@ class VerifiedTransfer:
             st = path.stat()
         except FileNotFoundError:
             raise HiddenStateFileError(f"{path}: missing; {store.REPAIR}") from None
-        if self.verified.get(file_idx) == (st.st_size, st.st_mtime_ns):
+        known = self.verified.get(file_idx) == (st.st_size, st.st_mtime_ns)
+        decodes = type(self.inner) in (FileTransfer, FP8Transfer)
+        if known and not decodes:
             return self.inner.get_cached(file_idx)
-        blob = path.read_bytes()
+        buf = read_file(path)
+        blob = memoryview(buf.numpy())
         problem = None
         if len(blob) != rec["bytes"]:
             problem = f"truncated or rewritten ({len(blob)} bytes, manifest says {rec['bytes']})"
         else:
-            problem = store.header_problem(path, rec, head=blob[: 8 + min(int.from_bytes(blob[:8], "little"), len(blob))])
-        if problem is None and self.full and hashlib.sha256(blob).hexdigest() != rec["sha256"]:
+            n = int.from_bytes(blob[:8], "little")
+            problem = store.header_problem(path, rec, head=bytes(blob[: 8 + min(n, len(blob))]))
+        if problem is None and self.full and not known and hashlib.sha256(blob).hexdigest() != rec["sha256"]:
             problem = "corrupt (sha256 differs from the manifest)"
         if problem:
             raise HiddenStateFileError(f"{path}: {problem}; {store.REPAIR}")
         self.verified[file_idx] = (st.st_size, st.st_mtime_ns)
-        if type(self.inner) is FileTransfer:
-            from safetensors.torch import load
+        if not decodes:
+            return self.inner.get_cached(file_idx)
+        tensors = decode_safetensors(buf)
+        if type(self.inner) is FP8Transfer and SCALES_KEY in tensors:
+            import torch
 
-            return load(blob)
-        return self.inner.get_cached(file_idx)
+            scales = tensors.pop(SCALES_KEY)
+            want = getattr(self.inner, "dequantize_dtype", torch.bfloat16)
+            tensors["hidden_states"] = dequantize_fp8(tensors["hidden_states"], scales, want)
+        return tensors
+
+
+SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY (tests pin it)
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                       "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_file(path: Path):
+    """The whole file as a uint8 tensor: one copy out of the page cache into memory that the
+    decoded tensors then share (no zero-fill, no second copy as `safetensors.torch.load` makes)."""
+    import torch
+
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = torch.empty(size, dtype=torch.uint8)
+        view, got = memoryview(buf.numpy()), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf[:got]
+
+
+def decode_safetensors(buf) -> dict:
+    """A safetensors file's tensors as views of `buf` (uint8, the whole file)."""
+    import json
+
+    import torch
+
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    header = json.loads(buf[8 : 8 + n].numpy().tobytes())
+    base, out = 8 + n, {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = getattr(torch, _SAFETENSORS_DTYPES[t["dtype"]])
+        a, b = t["data_offsets"]
+        raw = buf[base + a : base + b]
+        size = torch.empty((), dtype=dtype).element_size()
+        if (base + a) % size:  # view(dtype) needs an aligned offset; safetensors' writer aligns
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(t["shape"])
+    return out
+
+
+_FP8_LUT_ROWS = 16  # tokens per chunk: the int32 indices of a chunk stay in cache
+
+
+def dequantize_fp8(fp8_TLH, scales_T11, dtype=None):
+    """``hs_connectors.fp8_utils.dequantize_fp8_tensor`` (``fp8.to(dtype) * scale.to(dtype)``),
+    bit for bit, for bf16: the 256 fp8 values' bf16 bits by table lookup, in token chunks, then
+    one in-place multiply. torch 2.13's CPU fp8 → bf16 cast is scalar; this runs in the loader's
+    workers on every file of every epoch. Other dtypes: the stock expression."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    if dtype != torch.bfloat16 or fp8_TLH.dtype != torch.float8_e4m3fn or fp8_TLH.dim() == 0:
+        return fp8_TLH.to(dtype) * scales_T11.to(dtype)
+    global _FP8_LUT
+    if _FP8_LUT is None:
+        _FP8_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16)
+    rows = fp8_TLH.shape[0]
+    per = fp8_TLH[0].numel() if rows else 0
+    src = fp8_TLH.contiguous().view(torch.uint8).view(rows, per)
+    out = torch.empty((rows, per), dtype=torch.int16)
+    idx = torch.empty(min(rows, _FP8_LUT_ROWS) * per, dtype=torch.int32)
+    for a in range(0, rows, _FP8_LUT_ROWS):
+        b = min(a + _FP8_LUT_ROWS, rows)
+        i = idx[: (b - a) * per]
+        i.copy_(src[a:b].reshape(-1))
+        torch.index_select(_FP8_LUT, 0, i, out=out[a:b].view(-1))
+    return out.view(torch.bfloat16).view(fp8_TLH.shape).mul_(scales_T11.to(torch.bfloat16))
+
+
+_FP8_LUT = None
 
 
 def verify_hidden_state_reads(store_dir: Path, *, full: bool = True) -> None:

@@ -177,6 +177,16 @@ def points_from_mlflow(params: Params, gpu_counts: Sequence[int] | None = None, 
                        experiment: str = "draftlab", max_runs: int = 500) -> dict[int, Point]:
     """The latest finished training per GPU count — a calibration or any run — whose params in
     MATCH_PARAMS, hidden-state store (when given) and device model (when given) match."""
+    return {n: pts[0] for n, pts in matching_points(params, gpu_counts, client=client, store_hash=store_hash,
+                                                    device_model=device_model, experiment=experiment,
+                                                    max_runs=max_runs, per_count=1).items()}
+
+
+def matching_points(params: Params, gpu_counts: Sequence[int] | None = None, *, client,
+                    store_hash: str | None = None, device_model: str | None = None,
+                    experiment: str = "draftlab", max_runs: int = 500, per_count: int = 1) -> dict[int, list[Point]]:
+    """The `per_count` latest matching finished trainings per GPU count (newest first), by the one
+    matching rule of points_from_mlflow."""
     from draftlab.params import flatten
     from draftlab.tracking import _param_str
 
@@ -186,11 +196,11 @@ def points_from_mlflow(params: Params, gpu_counts: Sequence[int] | None = None, 
     want = {k: {_param_str(v), str(v)} for k, v in flatten(params).items() if k in MATCH_PARAMS}
     runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED' and metrics.`timing/step_s` > 0",
                               max_results=max_runs, order_by=["attributes.start_time DESC"])
-    found: dict[int, Point] = {}
+    found: dict[int, list[Point]] = {}
     for run in runs:
         p, m, tags = run.data.params, run.data.metrics, run.data.tags
         n = int(p.get("world_size", 0))
-        if n in found or (gpu_counts is not None and n not in gpu_counts):
+        if len(found.get(n, ())) >= per_count or (gpu_counts is not None and n not in gpu_counts):
             continue
         if any(p.get(k) not in v for k, v in want.items()):
             continue
@@ -203,8 +213,15 @@ def points_from_mlflow(params: Params, gpu_counts: Sequence[int] | None = None, 
             continue
         timing["stable"] = m.get("timing/stable", 1.0) > 0
         timing["tail_s"] = m.get("timing/tail_s")
+        if "timing/ended_at" in m and run.info.end_time:
+            # to the run's end (set when the launcher closes it), not to when timing/* was logged
+            closing = max(run.info.end_time / 1000 - m["timing/ended_at"], 0.0)
+            timing["wall_s"] += closing
+            if timing["tail_s"] is not None:
+                timing["tail_s"] += closing
         kind = "calibration, " if tags.get("draftlab.calibration") == "true" else ""
         where = f" ({kind}{tags.get('device.model', 'device unknown')})"
-        found[n] = Point.from_timing(n, timing, source=f"mlflow run {run.info.run_id}{where}",
-                                     after_s=m.get("timing/after_s"), measured_at=(run.info.end_time or 0) / 1000)
+        found.setdefault(n, []).append(Point.from_timing(
+            n, timing, source=f"mlflow run {run.info.run_id}{where}", after_s=m.get("timing/after_s"),
+            measured_at=(run.info.end_time or 0) / 1000))
     return found

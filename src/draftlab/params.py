@@ -177,6 +177,14 @@ class Extract(Section):
     min_free_disk_frac: float = Field(
         0.05, ge=0, lt=1, description="Refuse to start if the store would leave less than this free."
     )
+    dvc_track: Literal["files", "manifest"] = Field(
+        "files",
+        description="What DVC versions of the store. `files`: the whole store folder is extract's DVC output "
+        "(md5 of every file, hardlinked into the cache; push/pull/checkout/gc move and restore stores). "
+        "`manifest`: only its manifest.json (no cache), DVC never reads the store's files: for hosts where "
+        "hashing a new store costs too much; move the files yourself, `draftlab verify` checks them. Change it "
+        "with `draftlab dvc-track MODE`, which keeps dvc.yaml's extract outputs in step.",
+    )
 
     @field_validator("layer_ids")
     @classmethod

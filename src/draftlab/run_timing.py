@@ -25,11 +25,16 @@ def val_steps(params: Params, data_dir: Path) -> int:
                                 seed=t.seed, epoch=0)) if val else 0
 
 
+TAIL_RUNS = 5  # matching runs whose tails give the ETA's tail and its range
+
+
 def priors(params: Params, manifest_sha: str, device: str) -> dict:
-    """s/epoch and the tail after the last step (final validation + checkpoint, the launcher's
-    checks) of a matching measured run (draftlab.costmodel), for the ETA before this run has
-    measured its own; None each when there is none or the store cannot be read."""
-    out = {"epoch_s_prior": None, "tail_s_prior": None}
+    """From up to TAIL_RUNS matching measured runs (draftlab.costmodel, newest first): s/epoch of
+    the latest, and the tail after the last step (final validation + checkpoint, the ranks' and
+    torchrun's exit, the launcher's checks, to the run's end) as their median, min and max, for
+    the ETA before this run has measured its own; None each when there is none or the store
+    cannot be read."""
+    out = {"epoch_s_prior": None, "tail_s_prior": None, "tail_s_lo": None, "tail_s_hi": None}
     try:
         import mlflow
 
@@ -37,14 +42,20 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
         from draftlab.stages.train import _device_tags
         from draftlab.tracking import tracking_uri
 
-        points = costmodel.points_from_mlflow(params, [params.train.world_size()], store_hash=manifest_sha,
-                                              device_model=_device_tags(device)["device.model"],
-                                              client=mlflow.MlflowClient(tracking_uri()), max_runs=50)
+        n = params.train.world_size()
+        points = costmodel.matching_points(params, [n], store_hash=manifest_sha,
+                                           device_model=_device_tags(device)["device.model"],
+                                           client=mlflow.MlflowClient(tracking_uri()), max_runs=50,
+                                           per_count=TAIL_RUNS).get(n, [])
     except Exception:  # noqa: BLE001 — the ETA falls back to its own estimate
         return out
-    found = costmodel.nearest(points, params.train.world_size())
-    if found:
-        out.update(epoch_s_prior=found[0].epoch_s, tail_s_prior=found[0].tail_s)
+    if points:
+        import statistics
+
+        out["epoch_s_prior"] = points[0].epoch_s
+        tails = [p.tail_s for p in points if p.tail_s is not None]
+        if tails:
+            out.update(tail_s_prior=statistics.median(tails), tail_s_lo=min(tails), tail_s_hi=max(tails))
     return out
 
 
@@ -65,6 +76,7 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ende
     if ends:  # what the ETA cannot see from the steps: before the first one, after the last
         timing["startup_s"] = min(ends.values()) - started_at
         timing["tail_s"] = ended_at - max(ends.values())
+        timing["ended_at"] = ended_at  # the next run's ETA adds what follows, to the run's end time
     tracker.log_metrics({f"timing/{k}": float(v) for k, v in timing.items()})
     RunDir(out_dir).timing.write(Timing(timing))
     return timing
@@ -86,14 +98,18 @@ class Eta:
         left = steps left × s/step + epoch boundaries left × s/epoch + tail
 
     s/step is the typical (outlier-free mean) of the last RECENT intervals between step ends (so
-    it follows a rate that changes under load); s/epoch the median excess of the boundaries seen so far, before
-    the first one a matching MLflow run's (RankPlan.epoch_s_prior), else the validation pass
-    at ~1/3 of a training step per batch (forward only); the tail (after the last step) is a
-    matching run's (`tail_s_prior`), else one boundary. The 10–90 % range scales `left` by the
-    10th and 90th percentiles of the last WIDE intervals over their median."""
+    it follows a rate that changes under load); s/epoch the median excess of the boundaries seen
+    so far, before the first one a matching MLflow run's (RankPlan.epoch_s_prior), else the
+    validation pass at ~1/3 of a training step per batch (forward only); the tail (after the last
+    step, to the run's end) the median of up to 5 matching runs' (`tail_s_prior`), else one
+    boundary. The 10–90 % range takes each term's own spread: the steps at the 10th and 90th
+    percentiles of the last WIDE intervals over their typical, the boundaries at the smallest
+    and largest seen (until one is seen, 0.5–2× the estimate), the tail at the smallest and
+    largest of those runs' (from one run or none, 0.5–2× it: an unmeasured spread)."""
 
     RECENT, WIDE = 20, 200
     FORWARD_FRACTION = 1 / 3
+    UNMEASURED = (0.5, 2.0)  # the range of a term whose spread nothing has measured yet
 
     def __init__(self, plan: RankPlan):
         self.total = plan.total_steps
@@ -102,6 +118,8 @@ class Eta:
         self.val_steps = plan.val_steps
         self.epoch_prior = plan.epoch_s_prior
         self.tail_prior = plan.tail_s_prior
+        lo, hi = plan.tail_s_lo, plan.tail_s_hi
+        self.tail_range = (lo, hi) if lo is not None and hi is not None and hi > lo else None
         self.last: tuple[int, float] | None = None
         self.intervals: list[float] = []
         self.boundaries: list[float] = []
@@ -126,20 +144,24 @@ class Eta:
 
         recent = self.intervals[-self.RECENT:]
         step_s = typical_step_s(recent) if recent else self.step_s_fallback
+        lo_f, hi_f = self.UNMEASURED
         if self.boundaries:
-            epoch_s = max(statistics.median(self.boundaries) - step_s, 0.0)
-        elif self.epoch_prior is not None:
-            epoch_s = self.epoch_prior
+            excess = [max(b - step_s, 0.0) for b in self.boundaries]
+            epoch_s, epoch_lo, epoch_hi = statistics.median(excess), min(excess), max(excess)
         else:
-            epoch_s = self.val_steps * step_s * self.FORWARD_FRACTION
+            epoch_s = (self.epoch_prior if self.epoch_prior is not None
+                       else self.val_steps * step_s * self.FORWARD_FRACTION)
+            epoch_lo, epoch_hi = epoch_s * lo_f, epoch_s * hi_f
         # boundaries still ahead, then the tail after the last step (its final validation and
-        # checkpoint, the launcher's checks): measured on a matching run, else one boundary
+        # checkpoint, the ranks' exit, the launcher's checks): measured on matching runs, else one boundary
         inner = sum(step <= e < self.total - 1 for e in self.ends)
         tail = self.tail_prior if self.tail_prior is not None else epoch_s
-        left = (self.total - step - 1) * step_s + inner * epoch_s + tail
-        out = {"perf/eta_s": left}
+        tail_lo, tail_hi = self.tail_range or (tail * lo_f, tail * hi_f)
+        steps_left = self.total - step - 1
+        out = {"perf/eta_s": steps_left * step_s + inner * epoch_s + tail}
         if len(self.intervals) >= 10 and step_s > 0:
             q = statistics.quantiles(self.intervals, n=10)
-            out["perf/eta_p10_s"] = left * q[0] / step_s
-            out["perf/eta_p90_s"] = left * q[-1] / step_s
+            typical = typical_step_s(self.intervals)
+            out["perf/eta_p10_s"] = steps_left * step_s * q[0] / typical + inner * epoch_lo + min(tail_lo, tail)
+            out["perf/eta_p90_s"] = steps_left * step_s * q[-1] / typical + inner * epoch_hi + max(tail_hi, tail)
         return out

@@ -180,7 +180,9 @@ class RankPlan(Record):
     epoch_steps: list[int] = Field(default_factory=list, description="global steps of each epoch (for the ETA)")
     val_steps: int = 0
     epoch_s_prior: float | None = None
-    tail_s_prior: float | None = None
+    tail_s_prior: float | None = Field(None, description="median tail (after the last step) of matching runs")
+    tail_s_lo: float | None = Field(None, description="smallest of those tails (the ETA's range)")
+    tail_s_hi: float | None = Field(None, description="largest of those tails (the ETA's range)")
     optimizer: str = Field("AdamW", description="speculators' optimizer name, as in its `lr/<optimizer>` metric")
     store_dir: str | None = Field(None, description="the store whose manifest every rank's reads are checked against")
     verify_reads: Literal["sha256", "header"] = "sha256"

@@ -2,7 +2,7 @@
 extract and DVC caches the store by hardlink; a second run does nothing; `dvc push` to a local
 remote and `dvc pull` in a fresh clone give the same bytes, which verify and do not re-extract;
 changing an extract param re-runs extract alone, and `git checkout` + `dvc checkout` bring the
-old store back byte for byte."""
+old store back byte for byte; with `extract.dvc_track: manifest` DVC versions the manifest alone."""
 
 import json
 import os
@@ -129,6 +129,20 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     back = _run(["dvc", "repro", "extract"], root, env)
     assert "Running stage 'extract'" not in back and "is cached" in back
     assert _files(hs) == v1
+
+    # The opt-out (extract.dvc_track: manifest): only the manifest is extract's output, and a new
+    # store adds no object to DVC's cache (DVC hashed none of its files); the store is complete.
+    _run(["draftlab", "dvc-track", "manifest"], root, env)
+    objects = {p.relative_to(cache) for p in cache.rglob("*") if p.is_file()}
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["extract"]["dtype"] = "float16"
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert "Running stage 'extract'" in _run(["dvc", "repro", "extract"], root, env)
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    assert [o["path"] for o in lock["stages"]["extract"]["outs"]] == ["data/hidden_states/manifest.json"]
+    assert {p.relative_to(cache) for p in cache.rglob("*") if p.is_file()} == objects
+    assert store.read_manifest(hs).dtype == "float16" and store.verify(hs) == []
+    assert "Stage 'extract' didn't change, skipping" in _run(["dvc", "repro", "extract"], root, env)
 
 
 def test_dvc_cache_uses_links_not_copies():

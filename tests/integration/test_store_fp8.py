@@ -96,3 +96,34 @@ def test_verify_names_a_file_of_another_dtype(fp8_store, tmp_path):
     result = CliRunner().invoke(app, ["verify", str(mixed)])
     assert result.exit_code == 2 and "hs_3.safetensors" in result.output
     assert (mixed / "hs_3.safetensors").exists()  # nothing deleted
+
+
+def test_verified_fp8_reads_equal_speculators_fp8_transfer(fp8_store):
+    from hs_connectors import FP8Transfer
+
+    from draftlab import compat
+
+    _, _, fp8_dir = fp8_store
+    records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}
+    verified = compat.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)
+    for i in sorted(records)[:8]:
+        for _ in range(2):  # the first read is hashed, the second trusted by size and mtime
+            got, want = verified.get_cached(i), FP8Transfer(fp8_dir).get_cached(i)
+            assert got.keys() == want.keys() == {"hidden_states", "token_ids"}
+            assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_verified_transfer_reaches_spawned_loader_workers(fp8_store):
+    """train.num_workers > 0: the dataset, its VerifiedTransfer included, is pickled into each
+    spawned worker."""
+    import pickle
+
+    from hs_connectors import FP8Transfer
+
+    from draftlab import compat
+
+    _, _, fp8_dir = fp8_store
+    records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}
+    copy = pickle.loads(pickle.dumps(compat.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)))
+    assert isinstance(copy.inner, FP8Transfer) and copy.dequantize_dtype == torch.bfloat16
+    assert torch.equal(copy.get_cached(0)["hidden_states"], FP8Transfer(fp8_dir).get_cached(0)["hidden_states"])

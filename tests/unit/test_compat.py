@@ -10,6 +10,7 @@ import importlib.metadata
 import inspect
 import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -285,3 +286,33 @@ def test_standalone_sampler_file_needs_nothing_from_speculators():
     imported = {n.module or "" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in imported if m.startswith("speculators")], imported
+
+
+def test_the_launcher_loads_speculators_sampler_and_vocab_mapping_without_the_package():
+    """compat.speculators_module executes those two files alone (the package's __init__ costs
+    the launcher seconds): they must import nothing of speculators, and give what the package
+    gives."""
+    import ast
+
+    import torch
+    from speculators.train import distributed_batch_sampler as sampler_mod, vocab_mapping
+
+    for mod in (sampler_mod, vocab_mapping):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m.startswith("speculators")], mod.__name__
+    lengths = [17, 300, 90, 512, 40, 233, 128, 64, 700, 5] * 7
+
+    def batches(cls):
+        s = cls(batch_max_length=1024, lengths=lengths, num_replicas=2, rank=1, seed=3)
+        s.set_epoch(2)
+        return [[int(i) for i in b] for b in s]
+
+    alone = compat._standalone("train.distributed_batch_sampler").MultipackDistributedBatchSamplerV2
+    assert alone is not sampler_mod.MultipackDistributedBatchSamplerV2
+    assert batches(alone) == batches(sampler_mod.MultipackDistributedBatchSamplerV2) != []
+    freq = {0: 5, 2: 9, 3: 1, 4: 7, 5: 3, 7: 2}
+    a = compat._standalone("train.vocab_mapping").build_vocab_mappings_from_distribution(freq, 4, 8)
+    b = vocab_mapping.build_vocab_mappings_from_distribution(freq, 4, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

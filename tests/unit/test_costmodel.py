@@ -92,6 +92,35 @@ def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_
     assert set(cm.points_from_mlflow(BASE, client=client)) == {1, 2, 4}
 
 
+def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_path):
+    import time
+
+    import mlflow
+    from mlflow.entities import Metric, Param
+
+    from draftlab.params import flatten
+    from draftlab.tracking import _param_str
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("draftlab")
+    ids = []
+    for i, tail in enumerate((2.0, 4.0, 3.0)):
+        rid = client.create_run(exp, start_time=int((time.time() + i) * 1000)).info.run_id
+        logged_at = time.time()
+        timing = {"steps": 21, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0, "wall_s": 80.0,
+                  "tail_s": tail, "ended_at": logged_at}
+        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(BASE).items()]
+                         + [Param("world_size", "1")], metrics=[Metric(f"timing/{k}", float(v), 0, 0)
+                                                               for k, v in timing.items()])
+        client.set_terminated(rid, "FINISHED", end_time=int((logged_at + 0.5) * 1000))  # closed 0.5 s later
+        ids.append(rid)
+    pts = cm.matching_points(BASE, [1], client=client, per_count=5)[1]
+    assert [p.source.split()[2] for p in pts] == ids[::-1]
+    assert [p.tail_s for p in pts] == pytest.approx([3.5, 4.5, 2.5], abs=0.01)
+    assert [p.wall_s for p in pts] == pytest.approx([80.5] * 3, abs=0.01)
+    assert cm.points_from_mlflow(BASE, [1], client=client)[1].source == pts[0].source
+
+
 def test_a_steps_cost_is_the_mean_without_compile_outliers():
     skewed = [0.1] * 7 + [0.4] * 3  # under load: most steps quick, some stalled; their sum is 10 × the mean
     assert cm.typical_step_s(skewed) == pytest.approx(sum(skewed) / 10)

@@ -53,3 +53,22 @@ def test_the_tail_after_the_last_step_comes_from_a_matching_run():
     launcher_checks = 2.0  # after the final validation + checkpoint: accounting check, artifacts
     got = feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 3.0, "tail_s_prior": 3.0 + launcher_checks})), ends, 3)
     assert got["perf/eta_s"] == pytest.approx(end + launcher_checks - ends[3])
+
+
+def test_the_range_holds_a_tail_that_varies_from_run_to_run():
+    ends, end = timeline(lambda s: 0.5, jitter=0.1)
+    tails = [2.0, 5.0, 3.0]  # three matching runs' tails: the ETA takes their median …
+    plan = PLAN.model_copy(update={"epoch_s_prior": 3.0, "tail_s_prior": 3.0, "tail_s_lo": min(tails),
+                                   "tail_s_hi": max(tails)})
+    eta = Eta(plan)
+    for step in range(len(ends)):
+        eta.step_ended(step, ends[step], 0.0)
+        if step >= 11:
+            got = eta.estimate(step)
+            # … and its range spans theirs: the run ending with its tail anywhere in it is inside
+            for tail in (2.2, 4.8):
+                left = end - 3.0 + tail - ends[step]
+                assert got["perf/eta_p10_s"] <= left <= got["perf/eta_p90_s"], (step, tail, got)
+    # one measured tail: its spread is unknown, the range says so (0.5–2× it)
+    one = feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 3.0, "tail_s_prior": 3.0})), ends, 28)
+    assert one["perf/eta_p90_s"] - one["perf/eta_s"] >= 3.0 - 1e-9

@@ -61,3 +61,23 @@ def test_journal_append_never_writes_through_a_dvc_cache_link(tmp_path):
     assert cached.read_bytes() == before
     assert set(store.Journal.open(tmp_path, "k").done) == {0, 1}
     assert Path(j.path).stat().st_nlink == 1
+
+
+def test_draftlab_dequantize_is_hs_connectors_bit_for_bit():
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    from draftlab import compat
+
+    # every fp8 byte (NaNs, subnormals, ±0, ±448) at per-token scales from tiny to huge, with more
+    # tokens than one lookup chunk
+    codes = torch.arange(256, dtype=torch.uint8).repeat(40).view(40, 4, 64).view(torch.float8_e4m3fn)
+    scales = torch.logspace(-30, 30, 40).view(40, 1, 1).float()
+    scales[3] = 1.0
+    want, got = dequantize_fp8_tensor(codes, scales), compat.dequantize_fp8(codes, scales)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    # another dtype than bf16 takes the stock expression
+    assert torch.equal(compat.dequantize_fp8(codes, scales, torch.float32)[~nan],
+                       dequantize_fp8_tensor(codes, scales, dtype=torch.float32)[~nan])

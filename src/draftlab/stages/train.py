@@ -133,10 +133,13 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     which is another stage's output)."""
     import numpy as np
     import torch
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import AutoConfig
 
+    from draftlab import compat
     from draftlab.stages.target import resolve
+
+    build_vocab_mappings_from_distribution = compat.speculators_module(
+        "train.vocab_mapping").build_vocab_mappings_from_distribution
 
     vocab = AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size
     freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
