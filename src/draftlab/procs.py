@@ -24,9 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+from draftlab.rundir import RunDir
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-PIDS_DIR = "pids"
 
 
 _libc = None
@@ -149,7 +150,7 @@ def _start_ticks(pid: int) -> int | None:
 
 def record_self(run_dir: Path, name: str) -> Path:
     """Write this process's pid (and start time) to `run_dir/pids/<name>.json`."""
-    path = Path(run_dir) / PIDS_DIR / f"{name}.json"
+    path = RunDir(run_dir).pids_dir / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"pid": os.getpid(), "start": _start_ticks(os.getpid())}))
@@ -160,7 +161,7 @@ def record_self(run_dir: Path, name: str) -> Path:
 def recorded_alive(run_dir: Path) -> list[int]:
     """Pids recorded in `run_dir/pids/` that still run the process that recorded them."""
     alive = []
-    for path in sorted((Path(run_dir) / PIDS_DIR).glob("*.json")):
+    for path in sorted(RunDir(run_dir).pids_dir.glob("*.json")):
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -213,5 +214,5 @@ def kill_recorded(run_dir: Path, sig: int = signal.SIGKILL, wait_s: float = 5.0)
 
 
 def clear_recorded(run_dir: Path) -> None:
-    for path in (Path(run_dir) / PIDS_DIR).glob("*.json"):
+    for path in RunDir(run_dir).pids_dir.glob("*.json"):
         path.unlink(missing_ok=True)

@@ -17,6 +17,10 @@ pydantic model here, and its name is known only here:
     <run>/rank0-done.json           RankDone       rank 0 → the launcher: its observers' CPU time
     <run>/train.json                TrainRecord    train → evaluate, export, sweep trials
     <run>/tracking-spool.jsonl      SpoolRecord    MLflow calls kept during an outage → tracking-import
+    <run>/samples/rank<r>.jsonl     (lines)        each rank's sampler → the launcher's sharding check
+    <run>/profile/rank<r>.jsonl     (lines)        each rank's step profile → telemetry's verdict, timing
+    <run>/pids/<name>.json          (procs)        each process's pid → stop_orphans after a kill
+    <run>/bottleneck.json           (telemetry)    the bottleneck verdict and its evidence
     <trial>/trial.json              TrialInfo      the sweep → its record of what a trial is
     <trial>/result.json             TrialResult    a trial process → the sweep
 
@@ -395,8 +399,21 @@ class RunDir:
     def samples_file(self, rank: int) -> Path:
         return self.samples_dir / f"rank{rank}.jsonl"
 
+    def profile_file(self, rank: int) -> Path:
+        """A rank's step profile records (draftlab.telemetry.StepProfileRecorder), one JSON line a step."""
+        return self.path / "profile" / f"rank{rank}.jsonl"
+
+    def profile_files(self) -> list[Path]:
+        return sorted((self.path / "profile").glob("rank*.jsonl"))
+
+    @property
+    def pids_dir(self) -> Path:
+        """Each process's `<name>.json` (pid and start time), so a killed launcher's ranks are found."""
+        return self.path / "pids"
+
     @property
     def bottleneck_path(self) -> Path:
+        """The bottleneck verdict with its evidence (draftlab.telemetry.conclude)."""
         return self.path / "bottleneck.json"
 
 

@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from draftlab.rundir import RunDir
+
 # ------------------------------------------------------------------ thresholds (each: why)
 DATA_WAIT_BOUND_FRAC = 0.15  # the GPU idles this share of every step waiting for the loader
 DISK_BUSY_SATURATED_PCT = 80.0  # a device busy 80 % of wall time has no headroom left for bursts
@@ -335,7 +337,7 @@ class StepProfileRecorder(logging.Handler):
 
     def __init__(self, run_dir: Path, rank: int):
         super().__init__()
-        self.path = Path(run_dir) / "profile" / f"rank{rank}.jsonl"
+        self.path = RunDir(run_dir).profile_file(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
 
@@ -354,7 +356,7 @@ class StepProfileRecorder(logging.Handler):
 
 def read_step_records(run_dir: Path) -> list[dict]:
     out = []
-    for path in sorted((Path(run_dir) / "profile").glob("rank*.jsonl")):
+    for path in RunDir(run_dir).profile_files():
         for line in path.read_text().splitlines():
             try:
                 out.append(json.loads(line))
@@ -580,7 +582,7 @@ def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window
         figures = {k: v for k, v in (("perf/mfu", w.mfu), ("perf/gpu_power_frac", w.gpu_power_frac)) if v is not None}
         if figures and w.last_step is not None:
             tracker.log_metrics(figures, step=w.last_step)
-    path = Path(run_dir) / "bottleneck.json"
+    path = RunDir(run_dir).bottleneck_path
     write_json_atomic(path, {**verdict.to_json(), "thresholds": {k: v for k, v in globals().items()
                                                                  if k.isupper() and isinstance(v, float)},
                              "windows_detail": [asdict(w) for w in windows]})
