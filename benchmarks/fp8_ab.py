@@ -148,6 +148,7 @@ def main() -> None:
     import torch
 
     from draftlab import store
+    from draftlab.rundir import prepare_record
     from draftlab.stages import extract, prepare, target, train
     from draftlab.stages.target import load_target
 
@@ -161,7 +162,7 @@ def main() -> None:
         target_dir, data_dir = work / "target", work / "prepared"
         if not (target_dir / "config.json").exists():
             target.run(base, out_dir=target_dir, report_path=work / "target.json")
-        if not (data_dir / "prepare.json").exists():
+        if not prepare_record(data_dir).exists():
             prepare.run(base, target_dir=target_dir, out_dir=data_dir)
         stores, extracted = {}, {}
         for dtype in ("float32", *ARMS):

@@ -21,6 +21,8 @@ pydantic model here, and its name is known only here:
     <run>/profile/rank<r>.jsonl     (lines)        each rank's step profile → telemetry's verdict, timing
     <run>/pids/<name>.json          (procs)        each process's pid → stop_orphans after a kill
     <run>/bottleneck.json           (telemetry)    the bottleneck verdict and its evidence
+    <prepared>/prepare.json         PrepareRecord  prepare's counts and drops (summary, tests)
+    <draft>/export.json             ExportRecord   what export shipped (summary)
     <trial>/trial.json              TrialInfo      the sweep → its record of what a trial is
     <trial>/result.json             TrialResult    a trial process → the sweep
 
@@ -106,6 +108,42 @@ class JsonFile(Generic[M]):
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- stage records
+
+
+class PrepareRecord(Record):
+    num_samples: int
+    num_train: int
+    num_val: int
+    num_tokens: int
+    num_loss_tokens: int
+    skipped_records: int
+    dropped_no_assistant_tokens: int
+    regenerated: bool
+    regenerate_compute: dict[str, Any] | None = Field(None, description="device and compute dtype of the "
+                                                      "regeneration (GPU bf16 and CPU differ token by token)")
+    wall_clock_s: float
+
+
+class ExportRecord(Record):
+    run_id: str
+    checkpoint: str
+    verifier_path: str
+    layer_ids: list[int] = Field(min_length=3, max_length=3)
+    num_speculative_tokens: int
+    dtype: str
+    serve_command: str
+
+
+def prepare_record(data_dir: Path) -> JsonFile[PrepareRecord]:
+    """The prepared dataset folder's record (beside speculators' dataset files)."""
+    return JsonFile(Path(data_dir) / "prepare.json", PrepareRecord, "run `draftlab prepare` (or `dvc repro prepare`)")
+
+
+def export_record(draft_dir: Path) -> JsonFile[ExportRecord]:
+    return JsonFile(Path(draft_dir) / "export.json", ExportRecord, "run `draftlab export` (or `dvc repro export`)")
 
 
 # ---------------------------------------------------------------- the hidden-state store

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 from draftlab.params import Params
-from draftlab.rundir import RunDir, StoreDir
+from draftlab.rundir import RunDir, StoreDir, export_record, prepare_record
 
 OUTPUTS = [
     ("target", Path("models/target"), Path("reports/target.json")),
-    ("prepare", Path("data/prepared"), Path("data/prepared/prepare.json")),
+    ("prepare", Path("data/prepared"), prepare_record(Path("data/prepared")).path),
     ("extract", Path("data/hidden_states"), StoreDir(Path("data/hidden_states")).manifest.path),
     ("train", Path("runs/train"), RunDir(Path("runs/train")).train.path),
     ("evaluate", Path("reports"), Path("reports/metrics.json")),
-    ("export", Path("models/draft"), Path("models/draft/export.json")),
+    ("export", Path("models/draft"), export_record(Path("models/draft")).path),
 ]
 
 

@@ -3,6 +3,7 @@
 import json
 
 
+from draftlab.rundir import prepare_record
 from draftlab.stages.prepare import tokenize_conversation
 
 
@@ -30,7 +31,7 @@ def test_prepared_rows_are_shuffled_then_split_by_ratio(built):
 
     params, _, data_dir, _ = built
     ds = load_from_disk(str(data_dir))
-    summary = json.loads((data_dir / "prepare.json").read_text())
+    summary = prepare_record(data_dir).read().model_dump()
     assert summary["num_train"] == int(len(ds) * params.data.train_ratio)
     assert set(ds.column_names) >= {"input_ids", "loss_mask", "seq_len"}
     assert all(len(r["input_ids"]) == r["seq_len"] <= params.prepare.max_seq_len for r in ds)

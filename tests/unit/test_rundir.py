@@ -7,8 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from draftlab.errors import RunFileError, UserError
-from draftlab.rundir import (AccountingCheck, Command, Failure, Launch, Manifest, RankDone, RankPlan, RunDir,
-                             RunState, StoreDir, TargetInfo, Timing, TrainRecord, TrialDir, TrialInfo, TrialResult)
+from draftlab.rundir import (AccountingCheck, Command, ExportRecord, Failure, Launch, Manifest, PrepareRecord, RankDone,
+                             RankPlan, RunDir, RunState, StoreDir, TargetInfo, Timing, TrainRecord, TrialDir, TrialInfo,
+                             TrialResult, export_record, prepare_record)
 
 TRAIN = TrainRecord(run_id="r1", checkpoint="/runs/train/checkpoints/2", total_steps=12, world_size=2,
                     wall_clock_s=3.5, tokens_per_s=100.0, accounting="verified", bottleneck="compute-bound",
@@ -36,6 +37,11 @@ RECORDS = [
     (lambda d: RunDir(d).rank_done, RankDone(harness_cpu_s={"MetricsToTracker": 0.5})),
     (lambda d: RunDir(d).train, TRAIN),
     (lambda d: StoreDir(d).manifest, manifest()),
+    (prepare_record, PrepareRecord(num_samples=39, num_train=35, num_val=4, num_tokens=2000, num_loss_tokens=900,
+                                   skipped_records=0, dropped_no_assistant_tokens=1, regenerated=True,
+                                   regenerate_compute=None, wall_clock_s=4.2)),
+    (export_record, ExportRecord(run_id="r1", checkpoint="/c", verifier_path="/t", layer_ids=[2, 4, 5],
+                                 num_speculative_tokens=3, dtype="bfloat16", serve_command="vllm serve /t")),
     (lambda d: TrialDir(d).info, TrialInfo(number=3, values={"train.lr": 0.001}, devices=["0"], role="search")),
     (lambda d: TrialDir(d).result, TrialResult(ok=False, message="stopped by the sweep (SIGTERM)", wall_s=2.0)),
 ]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from draftlab.errors import MissingInput
 from draftlab.params import Params, ParamsError
-from draftlab.rundir import Manifest, RunDir, TrainRecord
-from draftlab.util import atomic_dir, write_json_atomic
+from draftlab.rundir import ExportRecord, Manifest, RunDir, TrainRecord, export_record
+from draftlab.util import atomic_dir
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -186,10 +186,9 @@ def run(params: Params, *, target_dir: Path, train_dir: Path, store_dir: Path, o
             f"config.json is `{serving}` (`export.verifier_path`); to load the draft where that path does not exist, "
             "override `speculators_config.verifier.name_or_path` with the local target.\n"
         )
-        write_json_atomic(tmp / "export.json", {"run_id": train.run_id, "checkpoint": str(checkpoint),
-                                                "verifier_path": serving, "layer_ids": list(layer_ids),
-                                                "num_speculative_tokens": k, "dtype": "bfloat16",
-                                                "serve_command": command})
+        export_record(tmp).write(ExportRecord(run_id=train.run_id, checkpoint=str(checkpoint), verifier_path=serving,
+                                              layer_ids=list(layer_ids), num_speculative_tokens=k, dtype="bfloat16",
+                                              serve_command=command))
     if tracker is not None:
         tracker.log_artifact(out_dir / "config.json", "export")
         tracker.log_artifact(out_dir / "README.md", "export")

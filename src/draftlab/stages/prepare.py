@@ -186,8 +186,9 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
 
     from draftlab import devices
     from draftlab.console import console
+    from draftlab.rundir import PrepareRecord, prepare_record
     from draftlab.stages.target import load_target, load_tokenizer
-    from draftlab.util import atomic_dir, write_json_atomic
+    from draftlab.util import atomic_dir
 
     started = time.perf_counter()
     convs, skipped = read_conversations(params, root)
@@ -227,26 +228,20 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
 
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
-    summary = {
-        "num_samples": n,
-        "num_train": num_train,
-        "num_val": n - num_train,
-        "num_tokens": sum(rows["seq_len"]),
-        "num_loss_tokens": int(sum(map(sum, rows["loss_mask"]))),
-        "skipped_records": skipped,
-        "dropped_no_assistant_tokens": empty,
-        "regenerated": params.prepare.regenerate,
+    summary = PrepareRecord(
+        num_samples=n, num_train=num_train, num_val=n - num_train, num_tokens=sum(rows["seq_len"]),
+        num_loss_tokens=int(sum(map(sum, rows["loss_mask"]))), skipped_records=skipped,
+        dropped_no_assistant_tokens=empty, regenerated=params.prepare.regenerate,
         # GPU bf16 and CPU regenerations differ token by token: the record says which this is
-        "regenerate_compute": placement.record() if placement else None,
-        "wall_clock_s": round(time.perf_counter() - started, 2),
-    }
+        regenerate_compute=placement.record() if placement else None,
+        wall_clock_s=round(time.perf_counter() - started, 2))
     with atomic_dir(out_dir) as tmp:
         ds.save_to_disk(str(tmp))
         save_token_frequency_distribution(ds, tmp / "token_freq.pt")
-        write_json_atomic(tmp / "prepare.json", summary)
+        prepare_record(tmp).write(summary)
     console.print(
         f"[bold]prepare[/]: {n} samples ({num_train} train / {n - num_train} val), "
-        f"{summary['num_tokens']:,} tokens ({summary['num_loss_tokens']:,} loss-masked), "
+        f"{summary.num_tokens:,} tokens ({summary.num_loss_tokens:,} loss-masked), "
         f"{skipped} records skipped → {out_dir}"
     )
-    return PrepareResult(out_dir, n, num_train, summary["num_tokens"], summary["num_loss_tokens"], skipped)
+    return PrepareResult(out_dir, n, num_train, summary.num_tokens, summary.num_loss_tokens, skipped)
