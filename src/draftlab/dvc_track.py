@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftlab.rundir import StoreDir
+
 MODES = ("files", "manifest")
 STAGE = "extract"
 
@@ -26,7 +28,8 @@ def outs_for(mode: str, store: str) -> list:
     """extract's `outs` in dvc.yaml for `mode`, `store` being the stage's `--out` folder."""
     if mode == "files":
         return [store]
-    return [{f"{store}/manifest.json": {"cache": False, "persist": True}}]
+    manifest = StoreDir(Path(store)).manifest.path.name  # `store` kept as written in dvc.yaml
+    return [{f"{store}/{manifest}": {"cache": False, "persist": True}}]
 
 
 def _store_arg(stage: dict) -> str:
