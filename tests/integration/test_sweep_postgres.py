@@ -189,7 +189,6 @@ def test_a_kill9_worker_is_found_by_the_heartbeat_and_a_restarted_one_carries_on
     assert row["status"] == "interrupted" and row["run_id"] == f"run-{victim.number}"
 
 
-@pytest.mark.slow
 def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     """`draftlab sweep` with a postgresql:// storage runs a real trial (train under torchrun +
     evaluate); the calibration is given, so the one trial is the search trial."""

@@ -426,3 +426,45 @@ def test_cli_exits_non_zero_when_the_study_completed_nothing(tmp_path, monkeypat
     (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\nspace:\n  train.lr: {low: 0.001, high: 0.01}\n")
     monkeypatch.setattr(study, "run", lambda *a, **k: summary)
     assert CliRunner().invoke(app, ["sweep", "space.yaml"]).exit_code == code
+
+
+def test_a_worker_notices_a_dead_peer_on_the_journal_while_it_runs(tmp_path):
+    """Two workers on one host and journal: B dies (kill -9: its pid is gone, its trial's
+    process would live on); A, still running, fails B's trial as interrupted and reaps it."""
+    clock = FakeClock()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    launcher = SimLauncher(clock)
+    spec = make_spec(tmp_path, budget=3000)
+    a = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",))
+    b = make_worker(tmp_path, spec, clock, launcher, devices=("cpu1",), pid=dead.pid)
+    a.start()
+    b.start()
+    while not any(r.spec.role == "search" for r in b.running):
+        a.step()
+        b.step()
+        clock.sleep(POLL)
+    orphan = next(r.trial.number for r in b.running if r.spec.role == "search")
+    for _ in range(int(spec.heartbeat_s / POLL) + 1):  # B is gone; A goes on
+        a.step()
+        clock.sleep(POLL)
+    t = a.study.get_trials()[orphan]
+    assert t.state.name == "FAIL" and t.user_attrs["status"] == "interrupted"
+    assert f"trial-{orphan:04d}" in [name for name, _, _ in launcher.reaped]
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("mysql://u:p@db/optuna", "storage: mysql:// is not supported; use postgresql://"),
+    ("postgresql://u:p@127.0.0.1:1/optuna", "storage: cannot open 'postgresql://u:p@127.0.0.1:1/optuna'"),
+])
+def test_bad_storage_urls_fail_with_one_line(url, needle):
+    from draftlab.sweep.storage import StudyStorage
+
+    with pytest.raises(SpaceError) as err:
+        StudyStorage(url)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_stale_after_must_outlast_two_heartbeats(tmp_path):
+    with pytest.raises(SpaceError, match="stale_after_s \\(4\\) must be at least twice heartbeat_s \\(3\\)"):
+        make_spec(tmp_path, heartbeat_s=3, stale_after_s=4)

@@ -78,10 +78,14 @@ class Peers:
     def beat(self, held: list) -> None:
         """Each pass of the loop: the ledger span; every heartbeat_s, the held trials' heartbeats
         and the others' staleness (a worker whose slots are all busy takes no new trial, and must
-        still notice a dead peer)."""
+        still notice a dead peer). A journal has no trial heartbeat: there the ledger decides."""
         self.ledger.beat()
         now = self.clock.now()
-        if self.storage is not None and now - self._beat_at >= self.heartbeat_s:
+        if self.storage is None or now - self._beat_at < self.heartbeat_s:
+            return
+        self._beat_at = now
+        if self.storage.rdb:
             self.storage.beat(self.study, held)
-            self._beat_at = now
             self.fail_stale()
+        else:
+            self.recover()
