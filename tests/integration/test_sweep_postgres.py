@@ -9,7 +9,6 @@ assertion depends on how fast anything runs."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -221,5 +220,7 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     run_id = trials[0].user_attrs["run_id"]
     rows = (tmp_path / "sweeps" / "real" / "report" / "trials.csv").read_text()
     assert run_id in rows
-    result = json.loads((tmp_path / trials[0].user_attrs["trial_dir"] / "result.json").read_text())
-    assert result["run_id"] == run_id and result["ok"]
+    from draftlab.rundir import TrialDir
+
+    result = TrialDir(tmp_path / trials[0].user_attrs["trial_dir"]).result.read()
+    assert result.ok and result.run_id == run_id
