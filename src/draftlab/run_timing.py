@@ -105,11 +105,15 @@ class Eta:
     boundary. The 10–90 % range takes each term's own spread: the steps at the 10th and 90th
     percentiles of the last WIDE intervals over their typical, the boundaries at the smallest
     and largest seen (until one is seen, 0.5–2× the estimate), the tail at the smallest and
-    largest of those runs' (from one run or none, 0.5–2× it: an unmeasured spread)."""
+    largest of those runs' but at least 0.7–1.4× their median (TAIL_SPREAD; from one run or
+    none, 0.5–2× it: an unmeasured spread)."""
 
     RECENT, WIDE = 20, 200
     FORWARD_FRACTION = 1 / 3
     UNMEASURED = (0.5, 2.0)  # the range of a term whose spread nothing has measured yet
+    # the least spread of the tail: consecutive runs on a loaded 2-core VM ended 0.8–1.3× their
+    # median tail (2.3–3.6 s) with the step rate unchanged
+    TAIL_SPREAD = (0.7, 1.4)
 
     def __init__(self, plan: RankPlan):
         self.total = plan.total_steps
@@ -156,7 +160,11 @@ class Eta:
         # checkpoint, the ranks' exit, the launcher's checks): measured on matching runs, else one boundary
         inner = sum(step <= e < self.total - 1 for e in self.ends)
         tail = self.tail_prior if self.tail_prior is not None else epoch_s
-        tail_lo, tail_hi = self.tail_range or (tail * lo_f, tail * hi_f)
+        if self.tail_range:  # a few runs' min–max is no 10–90 % range: at least the run-to-run spread seen here
+            tail_lo = min(self.tail_range[0], tail * self.TAIL_SPREAD[0])
+            tail_hi = max(self.tail_range[1], tail * self.TAIL_SPREAD[1])
+        else:
+            tail_lo, tail_hi = tail * lo_f, tail * hi_f
         steps_left = self.total - step - 1
         out = {"perf/eta_s": steps_left * step_s + inner * epoch_s + tail}
         if len(self.intervals) >= 10 and step_s > 0:

@@ -216,6 +216,13 @@ def main(argv: list[str]) -> None:
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu))
 
 
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 — gone or not ours to read: not a worker to stop
+        return ["resource_tracker"]
+
+
 def exit_now(code: int) -> None:
     """Leave without the interpreter's teardown of torch, speculators, transformers and mlflow
     (about 4 s per rank on a loaded 2-core VM, after the work is done: a tail every run, ETA
@@ -230,12 +237,12 @@ def exit_now(code: int) -> None:
         import psutil
 
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call a stopped worker a failure
-        kids = psutil.Process().children()
+        # multiprocessing's resource tracker (it ignores SIGTERM) is left to exit by itself once
+        # this process is gone, after it has cleaned up what the workers left in shared memory
+        kids = [k for k in psutil.Process().children() if "resource_tracker" not in " ".join(_cmdline(k))]
         for kid in kids:
-            kid.terminate()
-        _, alive = psutil.wait_procs(kids, timeout=5)
-        for kid in alive:
-            kid.kill()
+            kid.kill()  # a loader worker holds nothing to save
+        psutil.wait_procs(kids, timeout=5)
         sys.stdout.flush()
         sys.stderr.flush()
     finally:

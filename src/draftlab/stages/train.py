@@ -209,7 +209,8 @@ def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path = Path("
 
 def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
     t = params.train
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
+    # draftlab.torchrun: torch.distributed.run, leaving without the interpreter's teardown
+    cmd = [sys.executable, "-m", "draftlab.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
     if t.rdzv_endpoint:
         cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint]
     else:
@@ -438,7 +439,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # torch each one per core of the machine)
         # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
-                   DRAFTLAB_PARENT_CMD="torch.distributed.run", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
+                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
