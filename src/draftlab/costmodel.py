@@ -188,12 +188,12 @@ def matching_points(params: Params, gpu_counts: Sequence[int] | None = None, *, 
     """The `per_count` latest matching finished trainings per GPU count (newest first), by the one
     matching rule of points_from_mlflow."""
     from draftlab.params import flatten
-    from draftlab.tracking import _param_str
+    from draftlab.tracking import param_str
 
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return {}
-    want = {k: {_param_str(v), str(v)} for k, v in flatten(params).items() if k in MATCH_PARAMS}
+    want = {k: {param_str(v), str(v)} for k, v in flatten(params).items() if k in MATCH_PARAMS}
     runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED' and metrics.`timing/step_s` > 0",
                               max_results=max_runs, order_by=["attributes.start_time DESC"])
     found: dict[int, list[Point]] = {}

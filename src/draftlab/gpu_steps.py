@@ -31,9 +31,9 @@ def _paths(work: Path) -> dict[str, Path]:
 
 
 def _run_metrics(run_id: str) -> dict:
-    import mlflow
+    from draftlab import tracking
 
-    data = mlflow.MlflowClient().get_run(run_id).data
+    data = tracking.client().get_run(run_id).data
     return {k: data.metrics[k] for k in ("perf/mfu", "perf/gpu_power_frac", "perf/run_tokens_per_s")
             if k in data.metrics}
 
@@ -41,8 +41,7 @@ def _run_metrics(run_id: str) -> dict:
 def _train(params, p: dict[str, Path], out: Path) -> dict:
     """Train with speculators' GPU kernels; on failure, once more on eager kernels with the reason
     tagged on the MLflow run (`draftlab.kernel_fallback`)."""
-    import mlflow
-
+    from draftlab import tracking
     from draftlab.params import parse_params
     from draftlab.stages import train
 
@@ -55,7 +54,7 @@ def _train(params, p: dict[str, Path], out: Path) -> dict:
         raw["train"]["extra_args"] = [*raw["train"]["extra_args"], *EAGER]
         out = out.with_name(out.name + "-eager")
         result = train.run(parse_params(raw), out_dir=out, **kwargs)
-        mlflow.MlflowClient().set_tag(result.run_id, "draftlab.kernel_fallback", fallback)
+        tracking.client().set_tag(result.run_id, "draftlab.kernel_fallback", fallback)
     figures = {"steps": result.total_steps, "wall_s": round(result.wall_clock_s, 1), **_run_metrics(result.run_id)}
     figures["kernels"] = "eager (fallback)" if fallback else "flex+triton"
     return {"figures": figures, "reason": fallback or "", "run_id": result.run_id, "dir": out}

@@ -56,7 +56,9 @@ def show(params: Params) -> None:
             table.add_row(stage, str(where), _line(stage, info))
     console.print(table)
     console.print("Look next:")
-    console.print("  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open http://127.0.0.1:5000)")
+    from draftlab.tracking import ui_url
+
+    console.print(f"  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open {ui_url()})")
     console.print("  DVC metrics: dvc metrics show    plots: dvc plots show   figures: reports/")
     console.print("  Store check: draftlab verify data/hidden_states")
     console.print("  Sweep:       draftlab sweep experiments/sweep-tiny.yaml --budget 10m   (report: runs/sweeps/)")

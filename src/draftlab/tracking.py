@@ -2,8 +2,9 @@
 
 `Tracker` has log_params / log_metrics(step) / log_artifact / set_tags. `MlflowTracker` writes
 to an MLflow run (the default store is `sqlite:///mlflow.db` in the repo; `MLFLOW_TRACKING_URI`
-points it at a team server); `NullTracker` is for non-zero ranks; `RecordingTracker` keeps
-everything in memory for tests. One owner starts and ends a run: the launcher process.
+points it at a team server). One owner starts and ends a run: the launcher process. Every
+MLflow client is built here, with the tracking URI named (`client()`); `experiment_id()` makes
+the experiment a model-training one; `ui_url()` is the link draftlab prints.
 
 If the tracking server cannot be reached, `MlflowTracker` keeps going: every call is appended
 to a local JSONL spool (draftlab.rundir.SpoolRecord), and `draftlab tracking-import SPOOL`
@@ -20,10 +21,49 @@ from pathlib import Path
 from typing import Any, Protocol
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+EXPERIMENT = "draftlab"
+# MLflow 3 opens the UI in its GenAI view unless a link asks for the model-training one (a
+# per-browser switch that overrides the experiment's kind tag; the tag still says what it is)
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+WORKFLOW_QUERY = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # `mlflow ui`'s address for a local store
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def client(uri: str | None = None):
+    """An MLflow client of the store draftlab writes (`uri`, else MLFLOW_TRACKING_URI, else ./mlflow.db)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri or tracking_uri())
+
+
+def experiment_id(mlflow_client, name: str = EXPERIMENT) -> str:
+    """The id of experiment `name`, created on first use, tagged as model development."""
+    from mlflow.exceptions import MlflowException
+
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return mlflow_client.create_experiment(name, tags={KIND_TAG: KIND})
+        except MlflowException:  # another process created it first
+            exp = mlflow_client.get_experiment_by_name(name)
+    if exp.tags.get(KIND_TAG) != KIND:
+        mlflow_client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+    return exp.experiment_id
+
+
+def ui_url(experiment: str | None = None, run_id: str | None = None, uri: str | None = None) -> str:
+    """The MLflow UI's page of an experiment (or one of its runs), in the model-training view.
+    A server store's UI is the server itself; a local one's is where `mlflow ui` serves it."""
+    uri = uri or tracking_uri()
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    route = "experiments" if experiment is None else f"experiments/{experiment}"
+    if experiment is not None and run_id is not None:
+        route += f"/runs/{run_id}"
+    return f"{base}/#/{route}?{WORKFLOW_QUERY}"
 
 
 class Tracker(Protocol):
@@ -35,49 +75,7 @@ class Tracker(Protocol):
     def set_tags(self, tags: dict[str, Any]) -> None: ...
 
 
-class NullTracker:
-    run_id = None
-
-    def log_params(self, params):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_artifact(self, path, artifact_path=None):
-        pass
-
-    def set_tags(self, tags):
-        pass
-
-
-class RecordingTracker:
-    """Keeps every call, for tests."""
-
-    def __init__(self):
-        self.run_id = "recording"
-        self.params: dict[str, Any] = {}
-        self.metrics: list[tuple[int | None, dict[str, float]]] = []
-        self.artifacts: list[tuple[Path, str | None]] = []
-        self.tags: dict[str, Any] = {}
-
-    def log_params(self, params):
-        self.params.update(params)
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_artifact(self, path, artifact_path=None):
-        self.artifacts.append((Path(path), artifact_path))
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
-
-    def series(self, key: str) -> list[tuple[int | None, float]]:
-        return [(s, m[key]) for s, m in self.metrics if key in m]
-
-
-def _param_str(value: Any) -> str:
+def param_str(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return text[:6000]  # MLflow's param value limit
 
@@ -86,10 +84,8 @@ class MlflowTracker:
     """Logs into one existing MLflow run by id; never raises on a tracking outage."""
 
     def __init__(self, run_id: str, *, spool: Path | None = None):
-        from mlflow.tracking import MlflowClient
-
         self.run_id = run_id
-        self.client = MlflowClient(tracking_uri())
+        self.client = client()
         self.spool = Path(spool) if spool else None
         self.offline = False
 
@@ -120,7 +116,7 @@ class MlflowTracker:
     def log_params(self, params):
         from mlflow.entities import Param
 
-        items = [Param(k, _param_str(v)) for k, v in params.items()]
+        items = [Param(k, param_str(v)) for k, v in params.items()]
         for lo in range(0, len(items), 100):
             chunk = items[lo : lo + 100]
             self._call("params", {"params": {p.key: p.value for p in chunk}},
@@ -171,27 +167,36 @@ def replay_spool(spool: Path) -> int:
     """Upload a spool written during an outage; returns the number of records replayed. The
     whole file is read first: a bad line is one RunFileError and nothing is uploaded."""
     from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
 
     from draftlab.rundir import read_spool
 
     records = read_spool(spool)
-    client = MlflowClient(tracking_uri())
+    store = client()
     for rec in records:
         if rec.kind == "metrics":
-            client.log_batch(rec.run_id, metrics=[
+            store.log_batch(rec.run_id, metrics=[
                 Metric(k, float(v), rec.timestamp, rec.step or 0) for k, v in rec.metrics.items()])
         elif rec.kind == "params":
-            client.log_batch(rec.run_id, params=[Param(k, v) for k, v in rec.params.items()])
+            store.log_batch(rec.run_id, params=[Param(k, v) for k, v in rec.params.items()])
         elif rec.kind == "tags":
-            client.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
+            store.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
         else:
-            client.log_artifact(rec.run_id, rec.path, rec.artifact_path)
+            store.log_artifact(rec.run_id, rec.path, rec.artifact_path)
     return len(records)
 
 
+def dvc_experiment() -> str | None:
+    """The name of the `dvc exp run` experiment this process runs in (DVC sets DVC_EXP_NAME for
+    its stage commands), else None."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
 def git_tags(root: Path = Path(".")) -> dict[str, str]:
-    """git.commit and git.dirty (changes to tracked files other than dvc.lock and outputs)."""
+    """Provenance: git.commit and git.dirty (changes to tracked files other than dvc.lock and
+    pipeline outputs). Inside `dvc exp run` also the experiment (dvc.exp.name, the baseline
+    commit it started from, the sha256 of its params.yaml); params.yaml edits are then the
+    experiment's (DVC applies `-S` there and commits them with it), not dirt."""
+    import hashlib
     import subprocess
 
     def git(*args):
@@ -199,9 +204,24 @@ def git_tags(root: Path = Path(".")) -> dict[str, str]:
 
     commit = git("rev-parse", "HEAD").strip() or "unknown"
     changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
-    ignored_prefixes = ("dvc.lock", "reports/", "data/", "models/", "runs/")
-    dirty = any(not path.startswith(ignored_prefixes) for path in changed)
-    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+    outputs = ("dvc.lock", "reports/", "data/", "models/", "runs/")
+    experiment = dvc_experiment()
+    if experiment:
+        outputs += ("params.yaml",)
+    dirty = any(not path.startswith(outputs) for path in changed)
+    tags = {"git.commit": commit, "git.dirty": str(dirty).lower()}
+    if experiment:
+        params = Path(root) / "params.yaml"
+        tags.update({"dvc.exp.name": experiment,
+                     "dvc.exp.baseline": os.environ.get("DVC_EXP_BASELINE_REV") or commit,
+                     "dvc.exp.params_sha256": hashlib.sha256(params.read_bytes()).hexdigest()
+                     if params.exists() else "none"})
+    return tags
+
+
+def run_name(stage: str) -> str:
+    """`<stage>-<DVC experiment>` inside `dvc exp run`, else `<stage>-<local time>`."""
+    return f"{stage}-{dvc_experiment() or time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def run_id_of(train_dir: Path) -> str:
@@ -212,21 +232,19 @@ def run_id_of(train_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, *, experiment: str = "draftlab"):
+def stage_run(stage: str, *, experiment: str = EXPERIMENT):
     """An MLflow run owned by one stage process (extract): FINISHED on success, FAILED otherwise."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(experiment)
-    client = mlflow.MlflowClient()
-    run = client.create_run(mlflow.get_experiment_by_name(experiment).experiment_id,
-                            run_name=f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}")
+    store = client()
+    run = store.create_run(experiment_id(store, experiment), run_name=run_name(stage))
     tracker = MlflowTracker(run.info.run_id)
     tracker.set_tags({**git_tags(), "draftlab.stage": stage})
     status = "FAILED"
+    mlflow.set_tracking_uri(store.tracking_uri)  # the fluent run below carries MLflow's system metrics
     try:
         with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=True):
             yield tracker
         status = "FINISHED"
     finally:
-        client.set_terminated(run.info.run_id, status)
+        store.set_terminated(run.info.run_id, status)

@@ -9,7 +9,8 @@ Observers (rank-local, no effect on what the trainer computes):
   the run folder (RunDir.samples_file) — the launcher checks them disjoint and complete;
 - global rank 0 logs speculators' metric records into the launcher's MLflow run
   (`MLFLOW_RUN_ID`) with perf/* figures derived from the step accounting, skips steps already
-  logged before a resume, and stops the run on a NaN/inf loss.
+  logged before a resume, and stops the run on a NaN/inf loss; it also appends each step's
+  train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl` once (draftlab.train_metrics).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftlab import compat
+from draftlab import compat, train_metrics
 from draftlab.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
 from draftlab.rundir import Failure, RankDone, RankPlan, RunDir
 from draftlab.run_timing import Eta
@@ -124,6 +125,7 @@ class MetricsToTracker(logging.Handler):
         self.last_logged = plan.last_logged_step
         self.eta = Eta(plan)  # draftlab.run_timing
         self.flatten = compat.metric_flattener()
+        self.steps = train_metrics.StepWriter(run_dir)  # the run folder's own copy, for evaluate
 
     def emit(self, record):  # exceptions propagate on purpose: a NaN must stop training
         if getattr(record, "hparams", False):
@@ -141,10 +143,11 @@ class MetricsToTracker(logging.Handler):
             msg = f"train/loss is {loss} at global step {step} (epoch {flat.get('epoch')}): training stopped"
             RunDir(self.run_dir).failure.write(Failure(reason="non-finite loss", message=msg))
             raise FloatingPointError(msg)
-        if step <= self.last_logged:  # redone after a resume: already in the run
-            return
         out = {k: v for k, v in flat.items() if k.startswith("train/")}
         out["epoch"] = flat.get("epoch", 0)
+        self.steps.write(step, out)
+        if step <= self.last_logged:  # redone after a resume: already in the run
+            return
         for k, v in flat.items():
             if k == "lr":
                 out[f"lr/{self.optimizer}"] = v

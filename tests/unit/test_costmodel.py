@@ -55,7 +55,7 @@ def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_
     from mlflow.entities import Metric, Param, RunTag
 
     from draftlab.params import flatten
-    from draftlab.tracking import _param_str
+    from draftlab.tracking import param_str
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("draftlab")
@@ -67,7 +67,7 @@ def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_
         metrics = [Metric(f"timing/{k}", float(v), 0, 0) for k, v in timing.items()]
         if after_s is not None:
             metrics.append(Metric("timing/after_s", after_s, 0, 0))
-        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(params).items()]
+        client.log_batch(rid, params=[Param(k, param_str(v)) for k, v in flatten(params).items()]
                          + [Param("world_size", str(world_size))],
                          tags=[RunTag("data.hidden_states_hash", store), RunTag("device.model", device),
                                RunTag("draftlab.calibration", str(calibration).lower())], metrics=metrics)

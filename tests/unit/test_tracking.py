@@ -68,3 +68,26 @@ def test_a_batch_during_an_outage_spools_every_record(tmp_path, monkeypatch):
     tracker.log_metrics_many([({"train/loss": 1.0}, s, 1000 + s) for s in range(3)])
     lines = [__import__("json").loads(line) for line in spool.read_text().splitlines()]
     assert [(r["kind"], r["step"], r["timestamp"]) for r in lines] == [("metrics", s, 1000 + s) for s in range(3)]
+
+
+def test_every_mlflow_link_opens_the_model_training_view(monkeypatch):
+    from draftlab.tracking import ui_url
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    assert ui_url() == "http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"
+    assert ui_url("3") == "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+    assert ui_url("3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000/")
+    assert ui_url("3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+
+
+def test_the_experiment_is_a_model_development_one(tmp_path):
+    from draftlab import tracking
+
+    store = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    made = tracking.experiment_id(store)
+    assert store.get_experiment(made).tags[tracking.KIND_TAG] == "custom_model_development"
+    old = store.create_experiment("older")  # made before draftlab tagged its experiments
+    assert tracking.experiment_id(store, "older") == old
+    assert store.get_experiment(old).tags[tracking.KIND_TAG] == "custom_model_development"
+    assert tracking.experiment_id(store) == made

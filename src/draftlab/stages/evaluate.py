@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab import store
+from draftlab import store, train_metrics
 from draftlab.params import Params
 from draftlab.rundir import RunDir
 from draftlab.util import write_json_atomic
@@ -177,7 +177,16 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
     return vllm
 
 
-def _figures(run_id: str | None, metrics: dict, steps: int, out_dir: Path) -> list[Path]:
+def leading_first(metrics: dict) -> dict:
+    """The acceptance lengths, then the validation loss per TTT step, then the rest: what a user
+    compares across runs comes first in `dvc exp show` and `dvc metrics show`, which list columns
+    in the order of the file's keys."""
+    lead = [k for k in ("eval/simulated_acc_len", "eval/measured_acc_len") if k in metrics]
+    lead += [f"eval/loss_{s}" for s in range(len(metrics)) if f"eval/loss_{s}" in metrics]
+    return {**{k: metrics[k] for k in lead}, **metrics}
+
+
+def _figures(train_dir: Path, metrics: dict, steps: int, out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,15 +203,13 @@ def _figures(run_id: str | None, metrics: dict, steps: int, out_dir: Path) -> li
     paths.append(out_dir / "acceptance_by_position.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-    if run_id:
-        import mlflow
-
-        client = mlflow.MlflowClient()
+    curves = train_metrics.read(train_dir)
+    if curves:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for s in range(steps):
-            hist = client.get_metric_history(run_id, f"train/loss_{s}")
-            if hist:
-                ax.plot([m.step for m in hist], [m.value for m in hist], label=f"TTT step {s}")
+            points = [(step, rec[f"train/loss_{s}"]) for step, rec in sorted(curves.items()) if f"train/loss_{s}" in rec]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], label=f"TTT step {s}")
         ax.set_xlabel("global step"), ax.set_ylabel("train loss"), ax.set_yscale("log"), ax.legend()
         ax.set_title("loss per TTT step")
         fig.tight_layout()
@@ -212,8 +219,9 @@ def _figures(run_id: str | None, metrics: dict, steps: int, out_dir: Path) -> li
     return paths
 
 
-def _plots(run_id: str | None, steps: int, metrics: dict, out_dir: Path) -> None:
-    """CSV curves for `dvc plots show`."""
+def _plots(train_dir: Path, steps: int, metrics: dict, out_dir: Path) -> None:
+    """CSV curves for `dvc plots show`: acceptance by position, and the train loss per TTT step
+    from the train stage's own per-step record (draftlab.train_metrics)."""
     import csv
 
     rows = [{"position": s, "predicted": metrics.get(f"eval/full_acc_{s}", 0.0),
@@ -222,16 +230,12 @@ def _plots(run_id: str | None, steps: int, metrics: dict, out_dir: Path) -> None
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    if run_id:
-        import mlflow
-
-        client = mlflow.MlflowClient()
-        hist = {s: {m.step: m.value for m in client.get_metric_history(run_id, f"train/loss_{s}")} for s in range(steps)}
-        with open(out_dir / "train_loss.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["step", *[f"loss_{s}" for s in range(steps)]])
-            for step in sorted(hist[0]):
-                w.writerow([step, *[hist[s].get(step, "") for s in range(steps)]])
+    curves = train_metrics.read(train_dir)
+    with open(out_dir / "train_loss.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", *[f"loss_{s}" for s in range(steps)]])
+        for step, rec in sorted(curves.items()):
+            w.writerow([step, *[rec.get(f"train/loss_{s}", "") for s in range(steps)]])
 
 
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, train_dir: Path,
@@ -276,9 +280,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     # while plotting leaves the previous reports whole, not half replaced.
     with tempfile.TemporaryDirectory(prefix=".evaluate-", dir=out_dir) as scratch:
         scratch = Path(scratch)
-        write_json_atomic(scratch / "metrics.json", {**metrics, "run_id": train.run_id})
-        _plots(train.run_id, steps, metrics, scratch)
-        figures = [out_dir / f.name for f in _figures(train.run_id, metrics, steps, scratch)]
+        write_json_atomic(scratch / "metrics.json", {**leading_first(metrics), "run_id": train.run_id})
+        _plots(Path(train_dir), steps, metrics, scratch)
+        figures = [out_dir / f.name for f in _figures(Path(train_dir), metrics, steps, scratch)]
         for f in sorted(scratch.iterdir()):
             os.replace(f, out_dir / f.name)
     if tracker is not None:

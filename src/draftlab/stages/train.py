@@ -32,7 +32,6 @@ from draftlab.params import Params, ParamsError, flatten
 from draftlab.rundir import (AccountingCheck, AccountingRecord, Command, Launch, Manifest, RankPlan, RunDir,
                              RunState, TrainRecord)
 
-EXPERIMENT = "draftlab"
 TERM_GRACE_S = 10
 
 
@@ -305,7 +304,7 @@ def _versions() -> dict[str, str]:
     return {f"version.{p}": md.version(p) for p in ("torch", "speculators", "transformers", "mlflow", "draftlab")}
 
 
-def _device_tags(device: str) -> dict[str, str]:
+def device_tags(device: str) -> dict[str, str]:
     import platform
 
     tags = {"host": platform.node(), "device.type": device}
@@ -322,33 +321,29 @@ def _device_tags(device: str) -> dict[str, str]:
 
 def _open_run(out_dir: Path, key: str, console, tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """The MLflow run for this folder: the same one again after a kill, else a new one."""
-    import mlflow
+    from draftlab import tracking
 
-    from draftlab.tracking import tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri())
+    client = tracking.client()
     state = RunDir(out_dir).run
     prev = state.read_or_none()
     if prev is not None and prev.key == key:
         try:
-            mlflow.MlflowClient().get_run(prev.run_id)
+            client.get_run(prev.run_id)
             return prev.run_id, True
         except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
             console.print(f"[yellow]train[/]: MLflow run {prev.run_id} not found; starting a new one")
-    mlflow.set_experiment(EXPERIMENT)
     tags = dict(tags or {})
-    name = tags.pop("mlflow.runName", f"train-{time.strftime('%Y%m%d-%H%M%S')}")
-    run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name(EXPERIMENT).experiment_id, tags=tags,
-                                            run_name=name)
+    name = tags.pop("mlflow.runName", None) or tracking.run_name("train")
+    run = client.create_run(tracking.experiment_id(client), tags=tags, run_name=name)
     state.write(RunState(key=key, run_id=run.info.run_id))
     return run.info.run_id, False
 
 
 def _last_logged_step(run_id: str) -> int:
-    import mlflow
+    from draftlab import tracking
 
     try:
-        history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
+        history = tracking.client().get_metric_history(run_id, "train/loss")
     except Exception:  # noqa: BLE001
         return -1
     return max((m.step for m in history), default=-1)
@@ -372,7 +367,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     started_at = time.time() if started_at is None else started_at
     import mlflow
 
-    from draftlab import procs
+    from draftlab import procs, tracking
     from draftlab.console import console
     from draftlab.stages.target import resolve
     from draftlab.tracking import MlflowTracker, git_tags
@@ -411,7 +406,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                                 "store.dtype": store_dtype, "hidden_states_backend": store.backend(store_dtype)})
             for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
                 tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
-            tracker.set_tags({**git_tags(), **_versions(), **_device_tags(device),
+            tracker.set_tags({**git_tags(), **_versions(), **device_tags(device),
                               "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train",
                               "draftlab.calibration": str(params.train.max_steps is not None).lower()})
         else:
@@ -439,10 +434,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # torch each one per core of the machine)
         # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
-                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
+                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri())
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
+        mlflow.set_tracking_uri(tracking.tracking_uri())  # the fluent run below carries MLflow's system metrics
         from draftlab import telemetry
 
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
@@ -462,7 +458,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         rd.launch_file().unlink()
         wall = time.perf_counter() - started
         launcher_cpu = time.process_time() - launcher_cpu
-        client = mlflow.MlflowClient()
+        client = tracking.client()
         if rc != 0:
             failure = rd.failure.peek()
             why = failure.message if failure is not None else f"torchrun exited with {rc}"

@@ -22,7 +22,6 @@ from draftlab.sweep.report import report
 from draftlab.sweep.space import SpaceError, SweepSpec, check_spec
 from draftlab.sweep.storage import StudyStorage
 
-EXPERIMENT = "draftlab"
 
 
 def storage_url(spec: SweepSpec, out_dir: Path) -> str:
@@ -87,12 +86,9 @@ def resolve_devices(spec: SweepSpec, base: Params, flag: str | None) -> tuple[li
 
 def parent_run(study, spec: SweepSpec, storage_text: str) -> str:
     """The sweep's MLflow run: created by the first worker, found again by the others and reruns."""
-    import mlflow
+    from draftlab import tracking
 
-    from draftlab.tracking import git_tags, tracking_uri
-
-    mlflow.set_tracking_uri(tracking_uri())
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     run_id = study.user_attrs.get(PARENT_RUN_ATTR)
     if run_id:
         try:
@@ -101,10 +97,8 @@ def parent_run(study, spec: SweepSpec, storage_text: str) -> str:
             return run_id
         except Exception:  # noqa: BLE001 — deleted: make a new one
             pass
-    mlflow.set_experiment(EXPERIMENT)
-    exp = mlflow.get_experiment_by_name(EXPERIMENT)
-    run = client.create_run(exp.experiment_id, run_name=f"sweep-{spec.study}",
-                            tags={**git_tags(), "draftlab.stage": "sweep", "optuna.study": spec.study,
+    run = client.create_run(tracking.experiment_id(client), run_name=f"sweep-{spec.study}",
+                            tags={**tracking.git_tags(), "draftlab.stage": "sweep", "optuna.study": spec.study,
                                   "optuna.storage": storage_text})
     from draftlab.tracking import MlflowTracker
 
@@ -120,12 +114,11 @@ def parent_run(study, spec: SweepSpec, storage_text: str) -> str:
 def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
         devices_flag: str | None = None, n_trials: int | None = None, clock=None, launcher=None) -> dict:
     """`draftlab sweep`: check, open the study and its parent run, run this worker, report."""
-    import mlflow
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from draftlab.console import console
     from draftlab.stages.train import train_split
-    from draftlab.tracking import tracking_uri
+    from draftlab import tracking
     from draftlab.sweep.trial import ProcessLauncher
 
     devices, gpu = resolve_devices(spec, base, devices_flag)
@@ -137,16 +130,15 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
         if not path.exists():
             raise SpaceError(f"{path}: no {what}; run `dvc repro extract` first (every trial trains on it)")
     check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
-    mlflow.set_tracking_uri(tracking_uri())
     reused: dict[int, Point] = {}
     if spec.calibration.reuse:
-        from draftlab.stages.train import _device_tags
+        from draftlab.stages.train import device_tags
 
         from draftlab.costmodel import points_from_mlflow
 
         found = points_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
-                                   device_model=_device_tags("cuda" if gpu else "cpu")["device.model"],
-                                   client=mlflow.MlflowClient())
+                                   device_model=device_tags("cuda" if gpu else "cpu")["device.model"],
+                                   client=tracking.client())
         reused = {n: p for n, p in found.items() if p.after_s is not None}  # a trial's: evaluate timed too
     if "://" not in url and not Path(url).exists():  # a new study: every check before anything is written
         check_spec(spec, base, num_devices=len(devices), calibrated=set(reused))
@@ -195,7 +187,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                              ended=worker.done_reason or "interrupted",
                              model_points={n: asdict(p) for n, p in model.points.items()},
                              efficiency=model.scaling_efficiency())
-            mlflow.MlflowClient().set_terminated(parent, status)
+            tracking.client().set_terminated(parent, status)
     counts = summary["trials"]
     console.print(f"[bold]sweep[/]: ended: {ended} after {time.time() - started:,.0f} s here; spent "
                   f"{summary['spent_s']:,.0f} of {summary['budget_s']:,.0f} s (overrun {summary['overrun_s']:,.0f} s); "

@@ -27,9 +27,9 @@ from draftlab.sweep.budget import Outcome, TrialSpec
 
 def objective_of(metric: str, eval_metrics: dict, run_id: str) -> float:
     if metric == "val/loss":
-        import mlflow
+        from draftlab import tracking
 
-        hist = mlflow.MlflowClient().get_metric_history(run_id, "val/loss_epoch")
+        hist = tracking.client().get_metric_history(run_id, "val/loss_epoch")
         return max(hist, key=lambda m: m.step).value
     return float(eval_metrics[metric])
 
@@ -134,11 +134,11 @@ def _mark_run(trial_dir: Path, status: str) -> str | None:
     state = TrialDir(trial_dir).train.run.peek()
     if state is None:
         return None
-    import mlflow
+    from draftlab import tracking
 
     run_id = state.run_id
     try:
-        client = mlflow.MlflowClient()
+        client = tracking.client()
         if client.get_run(run_id).info.status == "RUNNING":
             client.set_terminated(run_id, status)
     except Exception:  # noqa: BLE001 — tracking is best effort here; the study has the record
@@ -182,10 +182,10 @@ class ProcessHandle:
         run_id = self.run_id()
         if run_id is None:
             return {}
-        import mlflow
+        from draftlab import tracking
 
         try:
-            return epoch_values(mlflow.MlflowClient(), run_id, self.metric, self.ttt_steps)
+            return epoch_values(tracking.client(), run_id, self.metric, self.ttt_steps)
         except Exception:  # noqa: BLE001 — a busy store: try again next time
             return {}
 

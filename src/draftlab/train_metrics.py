@@ -1,0 +1,50 @@
+"""Rank 0's training metrics per global step, in the run folder: `runs/train/metrics.jsonl`, one
+JSON line per step (`{"step": 12, "epoch": 0, "train/loss": …, "train/loss_0": …}`), each step once.
+
+The ranks write it as they train (draftlab.train_rank); the evaluate stage draws the loss curves
+from it, so they come from the train stage's declared output rather than from a tracking server.
+After a kill and a resume the trainer redoes the steps since its last checkpoint: those already
+in the file are not written again (their first values stay, as in the MLflow run), and a line
+torn by the kill is dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FILE = "metrics.jsonl"
+
+
+def read(run_dir: Path) -> dict[int, dict]:
+    """step → that step's record (train/* metrics and epoch); {} when there is no file."""
+    path = Path(run_dir) / FILE
+    steps: dict[int, dict] = {}
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line torn by a kill: the step is redone and written again
+            continue
+        steps.setdefault(int(rec["step"]), rec)
+    return steps
+
+
+class StepWriter:
+    """Appends steps not yet in the run folder's file."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / FILE
+        if self.path.exists():
+            data = self.path.read_bytes()
+            if data and not data.endswith(b"\n"):  # torn by a kill mid-line
+                with open(self.path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        self.last = max(read(run_dir), default=-1)
+
+    def write(self, step: int, metrics: dict) -> None:
+        if step <= self.last:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.last = step
