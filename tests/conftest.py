@@ -31,6 +31,29 @@ def tiny_params(**sections):
     return parse_params(raw)
 
 
+class RecordingTracker:
+    """A Tracker (draftlab.tracking) that keeps every call."""
+
+    def __init__(self):
+        self.run_id = "recording"
+        self.params: dict = {}
+        self.metrics: list[tuple[int | None, dict]] = []
+        self.artifacts: list[tuple[Path, str | None]] = []
+        self.tags: dict = {}
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((Path(path), artifact_path))
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny matmuls: a second intra-op thread only spins while the other core is busy (~10x slower)."""

@@ -356,9 +356,3 @@ def plan_table(plan: Plan):
                      "—" if r.gpu_hours is None else f"{r.gpu_hours:,.1f}", r.throughput_source)
     parts = [facts, rows] + [f"[yellow]warning[/] {w.code}: {w.message}" for w in plan.warnings]
     return Group(*parts)
-
-
-def default_host_facts(store_dir: Path) -> dict:
-    """Free disk at the store and free /dev/shm on this host (for make_plan's keyword args)."""
-    return {"disk_free": disk_free_bytes(store_dir), "shm_bytes": shm_free_bytes()}
-

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from draftlab import telemetry as tm
-from draftlab.tracking import RecordingTracker
+from tests.conftest import RecordingTracker
 
 # One window per label, with the figures an operator would see.
 DISK = tm.TelemetryWindow(data_wait_frac=0.45, step_ms=900, disk_read_mb_s=2900, disk_busy_pct=97,

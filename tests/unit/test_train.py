@@ -20,7 +20,7 @@ from draftlab.params import ParamsError
 from draftlab.rundir import Launch, Manifest, RankPlan, RunDir, TargetInfo
 from draftlab.stages import train
 from draftlab.train_rank import MetricsToTracker
-from tests.conftest import tiny_params
+from tests.conftest import RecordingTracker, tiny_params
 
 
 def _argv(params, tmp_path, device="cpu"):
@@ -79,16 +79,6 @@ def test_torchrun_is_standalone_on_one_node_and_rendezvous_across_nodes():
 # ---------------------------------------------------------------- the rank's metric handler
 
 
-class Recorded:
-    """A Tracker that keeps what it is given."""
-
-    def __init__(self):
-        self.metrics: list[tuple[int | None, dict]] = []
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-
 def _record(msg: dict, step: int) -> logging.LogRecord:
     record = logging.LogRecord("speculators.metrics", logging.INFO, __file__, 0, msg, None, None)
     record.step = step
@@ -102,7 +92,7 @@ def _train_msg(loss: float, epoch: int = 0) -> dict:
 
 @pytest.fixture
 def handler(tmp_path):
-    tracker = Recorded()
+    tracker = RecordingTracker()
     plan = RankPlan(total_steps=6, step_tokens=[100] * 6, epoch_steps=[3, 3], last_logged_step=2, optimizer="AdamW")
     h = MetricsToTracker(tracker, plan, tmp_path)
     yield h, tracker
@@ -169,3 +159,32 @@ def test_a_live_launcher_is_left_alone(tmp_path):
     with train.exclusive(tmp_path):  # what a running `draftlab train` holds
         train.stop_orphans(tmp_path, console)
     assert RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""
+
+
+def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path):
+    from draftlab import train_metrics
+
+    first = train_metrics.StepWriter(tmp_path)
+    for step in range(4):
+        first.write(step, {"train/loss_0": 5.0 - step})
+    with open(tmp_path / train_metrics.FILE, "a") as f:
+        f.write('{"step": 4, "train/lo')  # killed mid-line
+    resumed = train_metrics.StepWriter(tmp_path)  # the trainer redoes steps 2.. from its checkpoint
+    for step in range(2, 6):
+        resumed.write(step, {"train/loss_0": 9.0})
+    steps = train_metrics.read(tmp_path)
+    assert sorted(steps) == [0, 1, 2, 3, 4, 5]
+    assert [steps[s]["train/loss_0"] for s in range(6)] == [5.0, 4.0, 3.0, 2.0, 9.0, 9.0], "first values stay"
+    lines = (tmp_path / train_metrics.FILE).read_text().splitlines()
+    assert len(lines) == 6 and all(line.startswith('{"step": ') for line in lines)
+
+
+def test_the_rank_writes_every_finite_step_to_the_run_folder(handler, tmp_path):
+    from draftlab import train_metrics
+
+    h, _ = handler
+    for step in range(6):
+        h.emit(_record(_train_msg(3.0 - 0.1 * step, epoch=step // 3), step))
+    steps = train_metrics.read(tmp_path)
+    assert sorted(steps) == list(range(6)), "the MLflow run's resume point does not thin the run folder's record"
+    assert steps[4] == {"step": 4, "train/loss": pytest.approx(2.6), "train/loss_0": pytest.approx(2.6), "epoch": 1}

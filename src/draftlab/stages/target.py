@@ -12,7 +12,6 @@ before and after, so the choice is measured, not assumed.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -210,7 +209,3 @@ def load_target(params: Params, target_dir: Path, *, device: str = "cpu", device
     model.eval()
     return model, tokenizer
 
-
-def describe(path: Path) -> dict:
-    cfg = json.loads((path / "config.json").read_text())
-    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
