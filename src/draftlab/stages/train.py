@@ -439,7 +439,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
         mlflow.set_tracking_uri(tracking.tracking_uri())  # the fluent run below carries MLflow's system metrics
-        from draftlab import telemetry
+        from draftlab import bottleneck, telemetry
 
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
@@ -481,9 +481,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         tracker.set_tags({"draftlab.checkpoint": str(checkpoint), "draftlab.accounting": "verified"})
         for f in ("config.json", "model.safetensors"):
             tracker.log_artifact(checkpoint / f, "checkpoint")
-        fpt = (telemetry.draft_flops_per_token(json.loads((checkpoint / "config.json").read_text()),
+        fpt = (bottleneck.draft_flops_per_token(json.loads((checkpoint / "config.json").read_text()),
                                                ttt_steps=params.train.ttt_steps) if device == "cuda" else None)
-        verdict = telemetry.conclude(sampler, out_dir, tracker, flops_per_token=fpt)
+        verdict = bottleneck.conclude(sampler, out_dir, tracker, flops_per_token=fpt)
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})

@@ -1,5 +1,5 @@
-"""draftlab.telemetry: the bottleneck classifier on synthetic windows (every label), windows
-built from per-rank step records, the sampler on this CPU host, and the FLOPs arithmetic."""
+"""draftlab.bottleneck: the classifier on synthetic windows (every label), windows built from
+per-rank step records (draftlab.telemetry's recorder), and the FLOPs arithmetic."""
 
 from __future__ import annotations
 
@@ -8,24 +8,25 @@ import logging
 
 import pytest
 
+from draftlab import bottleneck as bn
 from draftlab import telemetry as tm
 from tests.conftest import RecordingTracker
 
 # One window per label, with the figures an operator would see.
-DISK = tm.TelemetryWindow(data_wait_frac=0.45, step_ms=900, disk_read_mb_s=2900, disk_busy_pct=97,
+DISK = bn.TelemetryWindow(data_wait_frac=0.45, step_ms=900, disk_read_mb_s=2900, disk_busy_pct=97,
                           disk_ceiling_mb_s=3000, cpu_busy_pct=20, cpu_iowait_pct=30, comm_frac=0.02)
-DISK_LATENCY = tm.TelemetryWindow(data_wait_frac=0.4, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
+DISK_LATENCY = bn.TelemetryWindow(data_wait_frac=0.4, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
                                   cpu_busy_pct=7, cpu_iowait_pct=25)  # the reference run's disk, loaders in iowait
-CPU = tm.TelemetryWindow(data_wait_frac=0.35, step_ms=800, disk_read_mb_s=400, disk_busy_pct=15,
+CPU = bn.TelemetryWindow(data_wait_frac=0.35, step_ms=800, disk_read_mb_s=400, disk_busy_pct=15,
                          cpu_busy_pct=97, cpu_iowait_pct=0.5, comm_frac=0.03)
-COMPUTE_UNSATURATED = tm.TelemetryWindow(data_wait_frac=0.02, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
+COMPUTE_UNSATURATED = bn.TelemetryWindow(data_wait_frac=0.02, step_ms=700, disk_read_mb_s=393, disk_busy_pct=12,
                                          cpu_busy_pct=7, cpu_iowait_pct=0.3, rank_busy_ms=[200, 205, 198, 202],
                                          comm_frac=0.03, gpu_util_pct=100, gpu_power_frac=250 / 600, mfu=0.08)
-COMPUTE_SATURATED = tm.TelemetryWindow(data_wait_frac=0.01, step_ms=500, cpu_busy_pct=30, comm_frac=0.05,
+COMPUTE_SATURATED = bn.TelemetryWindow(data_wait_frac=0.01, step_ms=500, cpu_busy_pct=30, comm_frac=0.05,
                                        gpu_util_pct=99, gpu_power_frac=0.95, mfu=0.45)
-COMM = tm.TelemetryWindow(data_wait_frac=0.03, step_ms=1000, cpu_busy_pct=20, rank_busy_ms=[300, 305, 302, 298],
+COMM = bn.TelemetryWindow(data_wait_frac=0.03, step_ms=1000, cpu_busy_pct=20, rank_busy_ms=[300, 305, 302, 298],
                           comm_frac=0.38, gpu_util_pct=60, gpu_power_frac=0.5)
-STRAGGLER = tm.TelemetryWindow(data_wait_frac=0.03, step_ms=700, cpu_busy_pct=20, rank_busy_ms=[300, 298, 302, 430],
+STRAGGLER = bn.TelemetryWindow(data_wait_frac=0.03, step_ms=700, cpu_busy_pct=20, rank_busy_ms=[300, 298, 302, 430],
                                comm_frac=0.04, gpu_util_pct=80)
 
 
@@ -35,37 +36,37 @@ STRAGGLER = tm.TelemetryWindow(data_wait_frac=0.03, step_ms=700, cpu_busy_pct=20
     (STRAGGLER, "straggler-bound"),
 ])
 def test_classify_names_every_bottleneck(window, label):
-    v = tm.classify(window)
-    assert v.label == label and v.label in tm.LABELS
+    v = bn.classify(window)
+    assert v.label == label and v.label in bn.LABELS
     assert v.remedy and v.evidence["data_wait"] != "n/a"
 
 
 def test_verdicts_carry_their_deciding_figures():
-    assert tm.classify(DISK).evidence["disk_busy"] == "97 %"
-    assert "iowait" in tm.classify(DISK_LATENCY).evidence["why"]
-    assert tm.classify(CPU).evidence["cpu_busy"] == "97 %"
-    s = tm.classify(STRAGGLER)
+    assert bn.classify(DISK).evidence["disk_busy"] == "97 %"
+    assert "iowait" in bn.classify(DISK_LATENCY).evidence["why"]
+    assert bn.classify(CPU).evidence["cpu_busy"] == "97 %"
+    s = bn.classify(STRAGGLER)
     assert s.evidence["slowest_rank"] == 3 and s.evidence["max_over_median"] == pytest.approx(1.43, abs=0.01)
     assert "rank 3" in s.remedy
     # "100 % util at 42 % power" reads as busy, not saturated
-    busy = tm.classify(COMPUTE_UNSATURATED)
+    busy = bn.classify(COMPUTE_UNSATURATED)
     assert busy.evidence["gpu_util"] == "100 %" and busy.evidence["power"] == "42 % of limit"
     assert busy.evidence["mfu"] == "8.0 %" and "not" not in busy.label and "far from its peak" in busy.remedy
-    assert "near their peak" in tm.classify(COMPUTE_SATURATED).remedy
+    assert "near their peak" in bn.classify(COMPUTE_SATURATED).remedy
 
 
 def test_the_largest_loss_decides_and_missing_figures_are_named():
-    both = tm.TelemetryWindow(data_wait_frac=0.2, step_ms=1000, cpu_busy_pct=95, comm_frac=0.4)
-    assert tm.classify(both).label == "communication-bound"
-    bare = tm.classify(tm.TelemetryWindow())
+    both = bn.TelemetryWindow(data_wait_frac=0.2, step_ms=1000, cpu_busy_pct=95, comm_frac=0.4)
+    assert bn.classify(both).label == "communication-bound"
+    bare = bn.classify(bn.TelemetryWindow())
     assert bare.label == "compute-bound" and "data_wait_frac" in bare.evidence["missing"]
 
 
 def test_a_mixed_run_gets_per_window_labels_and_the_longest_label():
     windows = []
     for i, w in enumerate([DISK, DISK, CPU, COMPUTE_UNSATURATED, DISK]):
-        windows.append(tm.TelemetryWindow(**{**w.__dict__, "start_s": 60.0 * i, "end_s": 60.0 * (i + 1)}))
-    run = tm.verdict_for_run(windows)
+        windows.append(bn.TelemetryWindow(**{**w.__dict__, "start_s": 60.0 * i, "end_s": 60.0 * (i + 1)}))
+    run = bn.verdict_for_run(windows)
     assert [label for _, _, label in run.windows] == ["data-bound (disk)", "data-bound (disk)", "data-bound (CPU)",
                                                      "compute-bound", "data-bound (disk)"]
     assert run.overall.label == "data-bound (disk)"
@@ -81,16 +82,16 @@ def _records(t0, rank, busy_fwd_ms, n=10, bwd_ms=420.0, step_ms=800.0, fetch_ms=
 def test_windows_from_rank_records_find_the_straggler_and_the_communication():
     t0 = 1_000.0
     steps = _records(t0, 0, 180) + _records(t0, 1, 182) + _records(t0, 2, 300, bwd_ms=610)
-    (w,) = tm.build_windows([], steps, window_s=60, flops_per_token=1e9, peak=1e14)
+    (w,) = bn.build_windows([], steps, window_s=60, flops_per_token=1e9, peak=1e14)
     assert w.rank_busy_ms == [200, 202, 320] and w.data_wait_frac == pytest.approx(20 / 800)
     # the slowest rank's backward beyond 2 × forward: (610 - 600) / 800
     assert w.comm_frac == pytest.approx(10 / 800)
     assert w.mfu == pytest.approx(1e9 * 5000 / 1e14)
-    assert tm.classify(w).label == "straggler-bound"
+    assert bn.classify(w).label == "straggler-bound"
     # equal ranks whose backward waits: communication
     steps = [r for rank in range(3) for r in _records(t0, rank, 150, bwd_ms=600)]
-    (w,) = tm.build_windows([], steps, window_s=60)
-    assert w.comm_frac == pytest.approx(300 / 800) and tm.classify(w).label == "communication-bound"
+    (w,) = bn.build_windows([], steps, window_s=60)
+    assert w.comm_frac == pytest.approx(300 / 800) and bn.classify(w).label == "communication-bound"
 
 
 def test_step_profile_recorder_and_conclude(tmp_path):
@@ -109,7 +110,7 @@ def test_step_profile_recorder_and_conclude(tmp_path):
     (r,) = tm.read_step_records(tmp_path)
     assert r["rank"] == 1 and r["step"] == 7 and r["fetch_frac"] == 0.55
     tracker = RecordingTracker()
-    verdict = tm.conclude(None, tmp_path, tracker)
+    verdict = bn.conclude(None, tmp_path, tracker)
     assert tracker.tags["draftlab.bottleneck"] == verdict.overall.label == "data-bound (CPU)"
     assert tracker.artifacts[0][0].name == "bottleneck.json"
     saved = json.loads((tmp_path / "bottleneck.json").read_text())
@@ -117,16 +118,16 @@ def test_step_profile_recorder_and_conclude(tmp_path):
 
 
 def test_mfu_and_peaks():
-    assert tm.mfu(1e9, 1e4, 1e14) == pytest.approx(0.1)
-    assert tm.mfu(1e9, 4e4, 1e14, num_devices=4) == pytest.approx(0.1)
-    assert tm.peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
-    assert tm.peak_flops("NVIDIA H200")[0] == 989.4e12
-    assert tm.peak_flops("NVIDIA H100 PCIe")[0] == 756e12
-    assert tm.peak_flops("NVIDIA RTX PRO 6000 Blackwell Server Edition")[0] == 503.8e12
-    assert tm.peak_flops("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition") is None
-    assert tm.peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
-    assert tm.peak_flops("NVIDIA B200")[0] == 2.25e15
-    assert tm.peak_flops("Some CPU") is None and tm.peak_flops("NVIDIA H100", "float32") is None
+    assert bn.mfu(1e9, 1e4, 1e14) == pytest.approx(0.1)
+    assert bn.mfu(1e9, 4e4, 1e14, num_devices=4) == pytest.approx(0.1)
+    assert bn.peak_flops("NVIDIA H100 80GB HBM3")[0] == 989.4e12
+    assert bn.peak_flops("NVIDIA H200")[0] == 989.4e12
+    assert bn.peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert bn.peak_flops("NVIDIA RTX PRO 6000 Blackwell Server Edition")[0] == 503.8e12
+    assert bn.peak_flops("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition") is None
+    assert bn.peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert bn.peak_flops("NVIDIA B200")[0] == 2.25e15
+    assert bn.peak_flops("Some CPU") is None and bn.peak_flops("NVIDIA H100", "float32") is None
 
 
 def test_draft_flops_per_token():
@@ -135,9 +136,9 @@ def test_draft_flops_per_token():
     h, d_attn, d_kv = 64, 64, 32
     layer = 2 * h * (d_attn + 2 * d_kv) + d_attn * h + 3 * h * 128  # q/k/v read 2H in the first layer
     expected = 4 * 3 * h * h + 3 * 6 * (layer + h * 100) + 2 * h * 100
-    assert tm.draft_flops_per_token(cfg, ttt_steps=3) == expected
-    with_attn = tm.draft_flops_per_token(cfg, ttt_steps=3, mean_context=500)
+    assert bn.draft_flops_per_token(cfg, ttt_steps=3) == expected
+    with_attn = bn.draft_flops_per_token(cfg, ttt_steps=3, mean_context=500)
     assert with_attn - expected == 12 * d_attn * (500 + 501 + 502)
     nested = {"transformer_layer_config": {**cfg, "vocab_size": 1000}, "draft_vocab_size": 100}
-    assert tm.draft_flops_per_token(nested, ttt_steps=3) == expected
-    assert tm.mean_causal_context([3, 1]) == pytest.approx((6 + 1) / 4)
+    assert bn.draft_flops_per_token(nested, ttt_steps=3) == expected
+    assert bn.mean_causal_context([3, 1]) == pytest.approx((6 + 1) / 4)
