@@ -305,6 +305,20 @@ class Params(Section):
     evaluate: Evaluate = Field(default_factory=Evaluate, description="The evaluate stage.")
     export: Export = Field(default_factory=Export, description="The export stage.")
 
+    def with_paths_from(self, root: Path) -> Params:
+        """These params with each relative path (a local target.path, prepare.path) made absolute
+        against `root`: the one rule for paths in a params file is that they are relative to it."""
+
+        def absolute(path: str) -> str:
+            return str((Path(root) / Path(path).expanduser()).resolve())
+
+        target, prepare = self.target, self.prepare
+        if target.source == "local" and target.path:
+            target = target.model_copy(update={"path": absolute(target.path)})
+        if prepare.source != "procedural" and prepare.path:
+            prepare = prepare.model_copy(update={"path": absolute(prepare.path)})
+        return self.model_copy(update={"target": target, "prepare": prepare})
+
     def check_paths(self, root: Path) -> None:
         """Checks that need the filesystem (kept out of field validation so that tests and
         `plan` can build params for hosts that do not exist here)."""
@@ -394,7 +408,9 @@ def parse_params(raw: dict[str, Any] | None, source: str = "params.yaml") -> Par
 
 
 def load_params(path: str | Path = "params.yaml", *, root: Path | None = None, check_paths: bool = True) -> Params:
-    """Read, validate and path-check a params file; raises ParamsError with one line.
+    """Read, validate and path-check a params file; raises ParamsError with one line. Relative
+    paths in it are relative to its folder (or `root`) and come back absolute, so a copy of the
+    params written elsewhere (a sweep trial's) still names the same files.
     check_paths=False: for `draftlab plan`, which plans data that is not there yet."""
     path = Path(path)
     if not path.is_file():
@@ -413,10 +429,10 @@ def load_params(path: str | Path = "params.yaml", *, root: Path | None = None, c
                           "start from `draftlab use experiments/<profile>.yaml`")
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
-    params = parse_params(raw, str(path))
+    params, root = parse_params(raw, str(path)), root if root is not None else path.resolve().parent
     if check_paths:
-        params.check_paths(root if root is not None else path.resolve().parent)
-    return params
+        params.check_paths(root)  # before they are made absolute: errors name the paths as written
+    return params.with_paths_from(root)
 
 
 def flatten(params: BaseModel, prefix: str = "") -> dict[str, Any]:

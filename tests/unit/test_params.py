@@ -106,3 +106,26 @@ def test_a_duplicated_key_is_refused_with_its_line(tmp_path):
     path.write_text("train:\n  epochs: 3\nextract: {}\ntrain:\n  lr: 0.1\n")
     with pytest.raises(ParamsError, match=r"params.yaml:4: duplicated key 'train'"):
         load_params(path)
+
+
+def test_relative_paths_are_relative_to_the_params_file_wherever_it_is_loaded_from(tmp_path, monkeypatch):
+    """One rule: a relative target.path or prepare.path names a file beside the params file;
+    load_params returns it absolute, so a copy of the params written elsewhere (a sweep trial's
+    params.yaml) names the same files."""
+    from draftlab.params import Params
+
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    (tmp_path / "chats.jsonl").write_text("")
+    path = write(tmp_path, {"target": {"source": "local", "path": "models/t"},
+                            "prepare": {"source": "jsonl", "path": "chats.jsonl"}})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    params = load_params(path)
+    assert params.target.path == str(tmp_path / "models" / "t")
+    assert params.prepare.path == str(tmp_path / "chats.jsonl")
+    trial = elsewhere / "trial-0000" / "params.yaml"  # what a sweep writes, then its trial re-loads
+    trial.parent.mkdir()
+    trial.write_text(yaml.safe_dump(params.model_dump()))
+    assert load_params(trial) == params
+    assert load_params(write(tmp_path, Params().model_dump())).target.path is None, "a tiny target has none"
