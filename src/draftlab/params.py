@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftlab.errors import UserError
+from draftlab.strict_yaml import DuplicateKey, UniqueKeyLoader
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -334,45 +335,6 @@ class Params(Section):
                 raise ParamsError(f"prepare.path: {self.prepare.path!r} does not exist")
 
 
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: str, line: int):
-        super().__init__(key)
-        self.key, self.line = key, line
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load keeps the last of two equal keys without a word; DVC's parser refuses
-    them, so draftlab refuses them too, naming the dotted key and its line."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(".".join([*self._path(node), str(key)]), key_node.start_mark.line + 1)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-    def _path(self, target) -> list[str]:
-        """Dotted path of a mapping node inside the document (for the message)."""
-
-        def walk(node, trail):
-            if node is target:
-                return trail
-            if isinstance(node, yaml.MappingNode):
-                for k, v in node.value:
-                    found = walk(v, [*trail, str(k.value)])
-                    if found is not None:
-                        return found
-            return None
-
-        return walk(self._root, []) or []
-
-    def construct_document(self, node):
-        self._root = node
-        return super().construct_document(node)
-
-
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -416,8 +378,8 @@ def load_params(path: str | Path = "params.yaml", *, root: Path | None = None, c
     if not path.is_file():
         raise ParamsError(f"{path}: params file not found; pass --params PATH")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 — a SafeLoader subclass
-    except _DuplicateKey as err:
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 — a SafeLoader subclass
+    except DuplicateKey as err:
         raise ParamsError(f"{path}:{err.line}: duplicated key {err.key!r} (the second value would "
                           "silently win); keep one") from None
     except yaml.YAMLError as err:
