@@ -124,7 +124,7 @@ def build_target(args, work: Path):
     target_dir = work / "target"
     tokenizer = target.build_tokenizer()
     with quiet_console():
-        target._build_model(params.target.tiny, tokenizer).save_pretrained(target_dir)
+        target.build_model(params.target.tiny, tokenizer).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     return params, target_dir
 
@@ -185,7 +185,7 @@ def run_paired(model, params, ds, batches, padded, store_dir: Path, layer_ids, f
     import torch
 
     from draftlab import store
-    from draftlab.stages.extract import LayerCapture
+    from draftlab.models import LayerCapture
 
     torch_dtype = getattr(torch, params.extract.dtype)
     journal = store.Journal.open(store_dir, "paired-benchmark")
@@ -255,8 +255,8 @@ def main() -> None:
     from rich.console import Console
 
     from draftlab import store
-    from draftlab.stages.extract import plan_batches
-    from draftlab.stages.target import load_target
+    from draftlab.capture import plan_batches
+    from draftlab.models import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -100,7 +100,7 @@ def acceptance(params, ctx, store_dir: Path, checkpoint: Path, prompts) -> dict:
     from draftlab import specdec
     from draftlab.generation import stop_token_ids
     from draftlab.stages import evaluate
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     target, tokenizer = ctx["target"], ctx["tokenizer"]
     draft = evaluate.load_draft(checkpoint, resolve(params, ctx["target_dir"]))
@@ -150,7 +150,7 @@ def main() -> None:
     from draftlab import store
     from draftlab.rundir import prepare_record
     from draftlab.stages import extract, prepare, target, train
-    from draftlab.stages.target import load_target
+    from draftlab.models import load_target
 
     torch.set_num_threads(1)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="draftlab-fp8-ab-"))

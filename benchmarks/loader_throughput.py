@@ -71,7 +71,7 @@ def generate(root: Path, dtype: str, args) -> tuple[Path, Path, list[Path], dict
     from safetensors.torch import save
 
     from draftlab import store
-    from draftlab.stages.extract import sample_tensors
+    from draftlab.capture import sample_tensors
     from draftlab.util import write_bytes_atomic
 
     t, h = args.tokens_per_file, args.hidden_size

@@ -31,7 +31,7 @@ from draftlab.params import Params
 from draftlab.stages import target as t
 tiny = Params().target.tiny.model_copy(update={"pretrain_steps": int(sys.argv[1])})
 tok = t.build_tokenizer()
-model = t._build_model(tiny, tok)
+model = t.build_model(tiny, tok)
 class P:
     def add_task(self, *a, **k): return 0
     def update(self, *a, **k): pass

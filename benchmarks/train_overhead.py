@@ -135,7 +135,7 @@ def bare_argv(params, args, work: Path) -> tuple[list[str], int]:
     """The argv `draftlab train` would hand the ranks, for a run folder to be filled in later."""
     from draftlab import store
     from draftlab.stages import train
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     a, _ = train.plan(params, args.data)
     maps = work / "vocab"

@@ -10,6 +10,7 @@ another host do not produce the same bytes, and must not be mistaken for the sam
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 from draftlab.params import ParamsError
@@ -77,3 +78,18 @@ def fits_one_gpu(model_bytes: int | None) -> bool:
     if model_bytes is None or not torch.cuda.is_available():
         return True
     return model_bytes <= GPU_FIT_FRAC * torch.cuda.get_device_properties(0).total_memory
+
+
+def device_tags(device: str) -> dict[str, str]:
+    import platform
+
+    tags = {"host": platform.node(), "device.type": device}
+    if device == "cuda":
+        import torch
+
+        tags["device.model"] = torch.cuda.get_device_name(0)
+        tags["device.count"] = str(torch.cuda.device_count())
+    else:
+        tags["device.model"] = platform.processor() or platform.machine()
+        tags["device.count"] = str(os.cpu_count())
+    return tags

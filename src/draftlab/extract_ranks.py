@@ -37,7 +37,7 @@ class ExtractFailed(UserError, RuntimeError):
 def plan_placement(params: Params, target_dir: Path):
     """(placement, processes, device_map) for the HF backend on this host; bad asks → ParamsError."""
     from draftlab import devices
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     e = params.extract
     placement = devices.resolve("extract.device", e.device, params.target.dtype)
@@ -132,8 +132,9 @@ def main() -> None:
 
     from draftlab import devices
     from draftlab.params import parse_params
-    from draftlab.stages.extract import LayerCapture, extract_batches
-    from draftlab.stages.target import load_target
+    from draftlab.models import LayerCapture
+    from draftlab.capture import extract_batches
+    from draftlab.models import load_target
 
     torch.set_num_threads(job["num_threads"])  # the same threads as the launcher: the same bytes on CPU
     params = parse_params(job["params"])

@@ -39,12 +39,12 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
         import mlflow
 
         from draftlab import costmodel
-        from draftlab.stages.train import _device_tags
+        from draftlab.devices import device_tags
         from draftlab.tracking import tracking_uri
 
         n = params.train.world_size()
         points = costmodel.matching_points(params, [n], store_hash=manifest_sha,
-                                           device_model=_device_tags(device)["device.model"],
+                                           device_model=device_tags(device)["device.model"],
                                            client=mlflow.MlflowClient(tracking_uri()), max_runs=50,
                                            per_count=TAIL_RUNS).get(n, [])
     except Exception:  # noqa: BLE001 — the ETA falls back to its own estimate

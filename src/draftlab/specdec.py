@@ -30,21 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.errors import MissingInput
-
-
-def load_draft(checkpoint_dir: Path | str, verifier_dir: Path | str, *, dtype: str = "float32"):
-    """A speculators checkpoint on CPU, eval mode, sdpa attention, verifier = the local target."""
-    import torch
-    from speculators import SpeculatorModel, SpeculatorModelConfig
-
-    if not (Path(checkpoint_dir) / "config.json").exists():
-        raise MissingInput(f"{checkpoint_dir}: no config.json; pass a speculators checkpoint folder")
-    config = SpeculatorModelConfig.from_pretrained(str(checkpoint_dir))
-    config.transformer_layer_config._attn_implementation = "sdpa"  # not saved; flex has no CPU path
-    config.speculators_config.verifier.name_or_path = str(verifier_dir)  # saved path may be elsewhere
-    draft = SpeculatorModel.from_pretrained(str(checkpoint_dir), config=config, dtype=getattr(torch, dtype))
-    return draft.eval()
 
 
 @dataclass
@@ -199,7 +184,7 @@ def speculative_generate(target, draft, prompt_ids, *, num_speculative_tokens: i
     import torch
     from transformers import DynamicCache
 
-    from draftlab.stages.extract import LayerCapture
+    from draftlab.models import LayerCapture
 
     proposer = draft if hasattr(draft, "propose") else Eagle3Proposer(draft)
     proposer.reset()
@@ -304,7 +289,7 @@ def _main() -> None:
     import json
 
     from draftlab.generation import stop_token_ids
-    from draftlab.stages.target import load_target
+    from draftlab.models import load_draft, load_target
     from draftlab.params import parse_params
 
     ap = argparse.ArgumentParser(description="measured acceptance of an EAGLE-3 checkpoint")

@@ -25,6 +25,22 @@ from draftlab.params import Params, ParamsError
 FP8 = "float8_e4m3fn"
 
 
+def vllm_command(params: Params, *, data_dir: Path, out_dir: Path, endpoint: str | None = None) -> list[str]:
+    """speculators' own offline generator against a vLLM server (GPU hosts)."""
+    endpoint = endpoint or params.extract.vllm_url
+    if not endpoint:
+        raise ParamsError("extract.vllm_url: required when extract.backend is 'vllm'")
+    return [
+        "speculators", "generate-offline-data",
+        "--model", params.target.path,
+        "--endpoint", endpoint,
+        "--preprocessed-data", str(data_dir),
+        "--output", str(out_dir),
+        "--validate-outputs",
+        "--fail-on-error",
+    ]
+
+
 def shared_dir(out_dir: Path) -> Path:
     """Where the server's connector writes; beside the store, so moving a file in is a rename."""
     return out_dir.parent / f".vllm-{out_dir.name}"
@@ -91,8 +107,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     speculators' generator (default: a child process that must exit 0)."""
     from draftlab import serving
     from draftlab.console import console
-    from draftlab.stages.extract import vllm_command
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     generate = generate or _generate
     out_dir.mkdir(parents=True, exist_ok=True)

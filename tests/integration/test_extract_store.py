@@ -3,11 +3,11 @@
 import torch
 
 from draftlab import store
-from draftlab.stages.extract import LayerCapture
+from draftlab.models import LayerCapture
 
 
 def test_capture_matches_hf_hidden_states_and_final_is_pre_norm(built):
-    from draftlab.stages.target import load_target
+    from draftlab.models import load_target
 
     params, target_dir, _, _ = built
     model, _ = load_target(params, target_dir)

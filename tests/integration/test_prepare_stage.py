@@ -12,7 +12,7 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "add 1 and 2"},
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(built):
-    from draftlab.stages.target import load_tokenizer
+    from draftlab.models import load_tokenizer
 
     params, target_dir, _, _ = built
     tok = load_tokenizer(params, target_dir)

@@ -32,11 +32,11 @@ def params():
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, params):
-    from draftlab.stages.target import _build_model, build_tokenizer
+    from draftlab.stages.target import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("export") / "target"
     tokenizer = build_tokenizer()
-    _build_model(params.target.tiny, tokenizer).save_pretrained(out)
+    build_model(params.target.tiny, tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

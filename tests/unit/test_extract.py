@@ -2,7 +2,9 @@
 
 import pytest
 
-from draftlab.stages.extract import plan_batches, vllm_command
+from draftlab.capture import plan_batches
+
+from draftlab.vllm_extract import vllm_command
 from tests.conftest import tiny_params
 
 

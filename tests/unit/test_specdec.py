@@ -23,12 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """The tiny target of the target stage, random weights (its pre-training costs minutes here)."""
-    from draftlab.stages.target import _build_model, build_tokenizer
+    from draftlab.stages.target import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("specdec") / "target"
     tokenizer = build_tokenizer()
     tiny = tiny_params(target={"tiny": {"hidden_size": 32, "intermediate_size": 64}}).target.tiny
-    _build_model(tiny, tokenizer).save_pretrained(out)
+    build_model(tiny, tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -164,7 +164,7 @@ def test_speculative_output_is_the_targets_greedy_output(target, target_dir, ref
 def test_draft_sees_the_targets_states_of_the_verified_prefix(target, target_dir, references):
     """Every round's proposal equals a from-scratch one over the whole verified sequence, fed the
     target's aux states from one plain forward: the pairing g_j ↔ x_{j+1} survives rejections."""
-    from draftlab.stages.extract import LayerCapture
+    from draftlab.models import LayerCapture
 
     draft = _build_draft(target_dir, norm_output=True)
     prompt, plain = references[1]

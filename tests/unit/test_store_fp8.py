@@ -13,7 +13,7 @@ from tests.conftest import tiny_params
 
 
 def test_unknown_dtype_and_missing_fp8_are_one_line_errors(monkeypatch):
-    from draftlab.stages.extract import check_dtype
+    from draftlab.capture import check_dtype
 
     with pytest.raises(ParamsError, match="extract.dtype"):
         tiny_params(extract={"dtype": "float8"})

@@ -33,13 +33,6 @@ class EvaluateResult:
     metrics: dict
 
 
-def load_draft(checkpoint: Path, verifier: str):
-    """The trained draft on CPU, sdpa attention (`_attn_implementation` is not saved)."""
-    from draftlab.specdec import load_draft as _load
-
-    return _load(checkpoint, verifier)
-
-
 def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path, *,
               batches: list[list[int]] | None = None, per_batch: list[dict] | None = None) -> dict:
     """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax. `batches`
@@ -159,7 +152,7 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
 
     from draftlab import serving
     from draftlab.stages import export
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".vllm-draft-", dir=out_dir) as scratch:
@@ -241,7 +234,7 @@ def _plots(train_dir: Path, steps: int, metrics: dict, out_dir: Path) -> None:
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, train_dir: Path,
         out_dir: Path, tracker=None) -> EvaluateResult:
     from draftlab.console import console
-    from draftlab.stages.target import load_target, resolve
+    from draftlab.models import load_draft, load_target, resolve
 
     started = time.perf_counter()
     if params.evaluate.backend == "vllm":

@@ -146,7 +146,7 @@ def run(params: Params, *, target_dir: Path, train_dir: Path, store_dir: Path, o
 
     from draftlab import store
     from draftlab.console import console
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     out_dir = Path(out_dir)
     train, checkpoint, cfg = _read_checkpoint(train_dir)

@@ -186,8 +186,8 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
 
     from draftlab import devices
     from draftlab.console import console
+    from draftlab.models import load_target, load_tokenizer
     from draftlab.rundir import PrepareRecord, prepare_record
-    from draftlab.stages.target import load_target, load_tokenizer
     from draftlab.util import atomic_dir
 
     started = time.perf_counter()

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import corpus
-from draftlab.errors import MissingInput
 from draftlab.params import Params
 from draftlab.util import atomic_dir, write_json_atomic
 
@@ -55,7 +54,7 @@ def build_tokenizer():
     return fast
 
 
-def _build_model(tiny, tokenizer):
+def build_model(tiny, tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -137,7 +136,7 @@ def run(params: Params, *, out_dir: Path, report_path: Path) -> TargetResult:
     torch.manual_seed(tiny.seed)
     started = time.perf_counter()
     tokenizer = build_tokenizer()
-    model = _build_model(tiny, tokenizer)
+    model = build_model(tiny, tokenizer)
     probe = [c[:1] for c in corpus.conversations(64, tiny.seed + 99)]
     with torch.no_grad():
         ratio_random = distinct_token_ratio(model, tokenizer, probe)
@@ -170,42 +169,3 @@ def run(params: Params, *, out_dir: Path, report_path: Path) -> TargetResult:
         f"{ratio_random:.2f} (random init) → {ratio_trained:.2f} (after {tiny.pretrain_steps} steps)"
     )
     return TargetResult(out_dir, report)
-
-
-def resolve(params: Params, target_dir: Path) -> str:
-    """Where the target loads from: the built tiny folder, a local folder, or a hub id."""
-    t = params.target
-    if t.source == "tiny":
-        if not (Path(target_dir) / "config.json").exists():
-            raise MissingInput(f"{target_dir}: the tiny target is not built; run `dvc repro target`")
-        return str(target_dir)
-    return str(Path(t.path).expanduser()) if t.source == "local" else t.path
-
-
-def load_tokenizer(params: Params, target_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
-
-
-def load_target(params: Params, target_dir: Path, *, device: str = "cpu", device_map: str | None = None):
-    """The one loading path for every target: a local folder or a hub id. `device_map="auto"`
-    spreads a target too large for one GPU over all visible ones (instead of `device`)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t = params.target
-    where = resolve(params, target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=t.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        where,
-        dtype=getattr(torch, t.dtype),
-        trust_remote_code=t.trust_remote_code,
-        attn_implementation="sdpa",
-        **({"device_map": device_map} if device_map else {}),
-    )
-    if not device_map:
-        model = model.to(device)
-    model.eval()
-    return model, tokenizer
-

@@ -60,7 +60,7 @@ def resolve_device(params: Params) -> str:
 
 def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
-    from draftlab.stages.extract import dataset_fingerprint
+    from draftlab.capture import dataset_fingerprint
 
     # verify_reads changes what is checked, not what is trained: a run folder stays resumable across it
     fields = {"train": params.train.model_dump(exclude={"verify_reads"}), "data": params.data.model_dump(),
@@ -135,7 +135,7 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     from transformers import AutoConfig
 
     from draftlab import compat
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
 
     build_vocab_mappings_from_distribution = compat.speculators_module(
         "train.vocab_mapping").build_vocab_mappings_from_distribution
@@ -304,21 +304,6 @@ def _versions() -> dict[str, str]:
     return {f"version.{p}": md.version(p) for p in ("torch", "speculators", "transformers", "mlflow", "draftlab")}
 
 
-def device_tags(device: str) -> dict[str, str]:
-    import platform
-
-    tags = {"host": platform.node(), "device.type": device}
-    if device == "cuda":
-        import torch
-
-        tags["device.model"] = torch.cuda.get_device_name(0)
-        tags["device.count"] = str(torch.cuda.device_count())
-    else:
-        tags["device.model"] = platform.processor() or platform.machine()
-        tags["device.count"] = str(os.cpu_count())
-    return tags
-
-
 def _open_run(out_dir: Path, key: str, console, tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """The MLflow run for this folder: the same one again after a kill, else a new one."""
     from draftlab import tracking
@@ -367,16 +352,16 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     started_at = time.time() if started_at is None else started_at
     import mlflow
 
-    from draftlab import procs, tracking
+    from draftlab import devices, procs, tracking
     from draftlab.console import console
-    from draftlab.stages.target import resolve
+    from draftlab.models import resolve
     from draftlab.tracking import MlflowTracker, git_tags
 
     manifest = store.read_manifest(store_dir)
     layer_ids = check_layer_ids(params, manifest, store_dir)
     store_dtype = manifest.dtype
     if store_dtype == store.FP8:
-        from draftlab.stages.extract import check_dtype
+        from draftlab.capture import check_dtype
 
         check_dtype(store_dtype)
     quick = store.verify(store_dir, full=False)
@@ -406,7 +391,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                                 "store.dtype": store_dtype, "hidden_states_backend": store.backend(store_dtype)})
             for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
                 tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
-            tracker.set_tags({**git_tags(), **_versions(), **device_tags(device),
+            tracker.set_tags({**git_tags(), **_versions(), **devices.device_tags(device),
                               "data.hidden_states_hash": manifest_sha, "draftlab.stage": "train",
                               "draftlab.calibration": str(params.train.max_steps is not None).lower()})
         else:

@@ -132,7 +132,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
     reused: dict[int, Point] = {}
     if spec.calibration.reuse:
-        from draftlab.stages.train import device_tags
+        from draftlab.devices import device_tags
 
         from draftlab.costmodel import points_from_mlflow
 
