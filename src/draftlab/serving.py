@@ -132,7 +132,7 @@ def spec_decode_delta(before: dict, after: dict) -> dict:
     return _derive(counts)
 
 
-def _http(url: str, body: dict | None = None, timeout_s: float = 10.0) -> str:
+def http_text(url: str, body: dict | None = None, timeout_s: float = 10.0) -> str:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -196,7 +196,7 @@ def running(command: list[str], *, port: int, log_path: Path, what: str, startup
                 raise ServingError(f"vLLM ({what}) exited with code {proc.returncode} before answering /health; "
                                    f"log {log_path}: {_log_tail(log_path)}")
             try:
-                _http(f"{base}/health", timeout_s=5)
+                http_text(f"{base}/health", timeout_s=5)
                 break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 if time.monotonic() > deadline:
@@ -217,20 +217,20 @@ def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens
         def complete(prompt, n):
             body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0.0}
             try:
-                return json.loads(_http(f"{base}/v1/completions", body, timeout_s=request_timeout_s))
+                return json.loads(http_text(f"{base}/v1/completions", body, timeout_s=request_timeout_s))
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace").strip().replace("\n", " ")[:300]
                 raise ServingError(f"vLLM ({what}) refused a completion: HTTP {err.code} {detail}") from None
 
         complete(prompts[0], min(8, max_tokens))  # warm-up: first-request allocations, outside the timing
-        before = parse_spec_decode_metrics(_http(f"{base}/metrics")) if speculative else None
+        before = parse_spec_decode_metrics(http_text(f"{base}/metrics")) if speculative else None
         texts, output_tokens, started = [], 0, time.perf_counter()
         for prompt in prompts:
             reply = complete(prompt, max_tokens)
             texts.append(reply["choices"][0]["text"])
             output_tokens += int(reply["usage"]["completion_tokens"])
         wall_s = time.perf_counter() - started
-        spec = spec_decode_delta(before, parse_spec_decode_metrics(_http(f"{base}/metrics"))) if speculative else None
+        spec = spec_decode_delta(before, parse_spec_decode_metrics(http_text(f"{base}/metrics"))) if speculative else None
     return {"output_tokens": output_tokens, "wall_s": wall_s, "output_tokens_per_s": output_tokens / max(wall_s, 1e-9),
             "texts": texts, "spec": spec}
 

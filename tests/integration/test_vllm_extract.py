@@ -101,14 +101,14 @@ def test_fp8_stores_use_hs_connectors_fp8_connector(tmp_path):
 
 
 def test_lifecycle_health_then_generation_then_the_whole_group_stops(fake_vllm, tmp_path):
-    from draftlab.serving import _http
+    from draftlab.serving import http_text
 
     seen = {}
 
     def generate(cmd):
         seen["cmd"] = cmd
         endpoint = cmd[cmd.index("--endpoint") + 1]
-        _http(endpoint.removesuffix("/v1") + "/health")  # the server answers during the generation
+        http_text(endpoint.removesuffix("/v1") + "/health")  # the server answers during the generation
         seen["pids"] = json.loads((fake_vllm / "pids.json").read_text())
 
     params = _params(vllm_gpus=[1])
