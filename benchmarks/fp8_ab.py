@@ -100,10 +100,10 @@ def acceptance(params, ctx, store_dir: Path, checkpoint: Path, prompts) -> dict:
     from draftlab import specdec
     from draftlab.generation import stop_token_ids
     from draftlab.stages import evaluate
-    from draftlab.models import resolve
+    from draftlab.models import load_draft, resolve
 
     target, tokenizer = ctx["target"], ctx["tokenizer"]
-    draft = evaluate.load_draft(checkpoint, resolve(params, ctx["target_dir"]))
+    draft = load_draft(checkpoint, resolve(params, ctx["target_dir"]))
     packed = evaluate.simulated(params, draft, target, ctx["data_dir"], store_dir)
     per_sample: list[dict] = []
     evaluate.simulated(params, draft, target, ctx["data_dir"], store_dir,

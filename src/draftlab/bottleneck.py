@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from draftlab.rundir import RunDir
-
 from draftlab.telemetry import Sample, TelemetrySampler, read_step_records
 
 # ------------------------------------------------------------------ thresholds (each: why)
@@ -316,7 +315,7 @@ def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window
         figures = {k: v for k, v in (("perf/mfu", w.mfu), ("perf/gpu_power_frac", w.gpu_power_frac)) if v is not None}
         if figures and w.last_step is not None:
             tracker.log_metrics(figures, step=w.last_step)
-    path = RunDir(run_dir).bottleneck_path
+    path = RunDir(Path(run_dir)).bottleneck_path
     write_json_atomic(path, {**verdict.to_json(), "thresholds": {k: v for k, v in globals().items()
                                                                  if k.isupper() and isinstance(v, float)},
                              "windows_detail": [asdict(w) for w in windows]})

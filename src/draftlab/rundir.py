@@ -454,6 +454,11 @@ class RunDir:
         """The bottleneck verdict with its evidence (draftlab.telemetry.conclude)."""
         return self.path / "bottleneck.json"
 
+    @property
+    def step_metrics_path(self) -> Path:
+        """Rank 0's train/* metrics, one JSON line per global step (draftlab.train_metrics)."""
+        return self.path / "metrics.jsonl"
+
 
 # ---------------------------------------------------------------- a sweep trial folder
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FILE = "metrics.jsonl"
+from draftlab.rundir import RunDir
 
 
 def read(run_dir: Path) -> dict[int, dict]:
     """step → that step's record (train/* metrics and epoch); {} when there is no file."""
-    path = Path(run_dir) / FILE
+    path = RunDir(Path(run_dir)).step_metrics_path
     steps: dict[int, dict] = {}
     if not path.exists():
         return steps
@@ -34,7 +34,7 @@ class StepWriter:
     """Appends steps not yet in the run folder's file."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / FILE
+        self.path = RunDir(Path(run_dir)).step_metrics_path
         if self.path.exists():
             data = self.path.read_bytes()
             if data and not data.endswith(b"\n"):  # torn by a kill mid-line

@@ -167,7 +167,7 @@ def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path
     first = train_metrics.StepWriter(tmp_path)
     for step in range(4):
         first.write(step, {"train/loss_0": 5.0 - step})
-    with open(tmp_path / train_metrics.FILE, "a") as f:
+    with open(RunDir(tmp_path).step_metrics_path, "a") as f:
         f.write('{"step": 4, "train/lo')  # killed mid-line
     resumed = train_metrics.StepWriter(tmp_path)  # the trainer redoes steps 2.. from its checkpoint
     for step in range(2, 6):
@@ -175,7 +175,7 @@ def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path
     steps = train_metrics.read(tmp_path)
     assert sorted(steps) == [0, 1, 2, 3, 4, 5]
     assert [steps[s]["train/loss_0"] for s in range(6)] == [5.0, 4.0, 3.0, 2.0, 9.0, 9.0], "first values stay"
-    lines = (tmp_path / train_metrics.FILE).read_text().splitlines()
+    lines = (RunDir(tmp_path).step_metrics_path).read_text().splitlines()
     assert len(lines) == 6 and all(line.startswith('{"step": ') for line in lines)
 
 
