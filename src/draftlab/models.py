@@ -1,6 +1,7 @@
 """The models every stage loads, below the stages: where the target loads from (`resolve`), its
 tokenizer and weights (`load_target`), the trained draft (`load_draft`), and the forward hooks
-that capture the target's hidden states (`LayerCapture`).
+that capture the target's hidden states (`LayerCapture`), and the checks that a draft fits its
+target (`check_against_target` on its config, `check_weights` on its tensors).
 
 Aux layer id k is the input of decoder layer k (vLLM's EAGLE-3 convention: the residual stream
 after k layers); the 4th captured slot is the final layer's output *before* the final norm (HF's
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from draftlab.errors import MissingInput
 from draftlab.params import Params, ParamsError
+from draftlab.rundir import Manifest
 
 
 def resolve(params: Params, target_dir: Path) -> str:
@@ -102,3 +104,54 @@ class LayerCapture:
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def target_facts(target_cfg: dict, manifest: Manifest | None) -> dict:
+    """hidden_size, vocab_size, num_layers of the target: its config.json (or its `text_config`,
+    as in multimodal targets such as Kimi-K2.5), else what the store's manifest recorded."""
+    text = target_cfg.get("text_config") or {}
+    recorded = manifest.target.model_dump() if manifest is not None else {}
+    facts = {}
+    for name, cfg_key, manifest_key in (("hidden_size", "hidden_size", "hidden_size"),
+                                        ("vocab_size", "vocab_size", "vocab_size"),
+                                        ("num_layers", "num_hidden_layers", "num_layers")):
+        value = target_cfg.get(cfg_key, text.get(cfg_key))
+        facts[name] = value if value is not None else recorded.get(manifest_key)
+    return facts
+
+
+def check_against_target(draft_cfg: dict, target_cfg: dict, manifest: Manifest | None, *,
+                         source: str = "draft config.json") -> None:
+    """One clear line naming the field that differs between a draft and its target."""
+    layer = draft_cfg.get("transformer_layer_config") or {}
+    want = target_facts(target_cfg, manifest)
+    # a draft may have its own width; target_hidden_size is then the width of the states it reads
+    draft_hidden = draft_cfg.get("target_hidden_size") or layer.get("hidden_size")
+    for name, got in (("hidden_size", draft_hidden), ("vocab_size", layer.get("vocab_size"))):
+        if got is not None and want[name] is not None and got != want[name]:
+            raise ParamsError(f"{source}: {name} is {got} but the target has {want[name]}; this draft was "
+                              "trained for another target (check --target and target.path)")
+    ids = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return
+    if want["num_layers"] is not None and not all(0 <= i < want["num_layers"] for i in ids):
+        raise ParamsError(f"{source}: eagle_aux_hidden_state_layer_ids {ids} out of range for a target with "
+                          f"{want['num_layers']} layers; this draft was trained for another target")
+    if manifest is not None and list(ids) != manifest.layer_ids:
+        raise ParamsError(f"{source}: eagle_aux_hidden_state_layer_ids is {list(ids)} but the hidden-state store "
+                          f"has {manifest.layer_ids}; export the draft trained on this store")
+
+
+def check_weights(weights: dict, target_cfg: dict, manifest: Manifest | None, *, source: str) -> None:
+    """The tensors themselves against the target: a config can be edited, a shape cannot lie."""
+    want = target_facts(target_cfg, manifest)
+    checks = []
+    if "fc.weight" in weights and want["hidden_size"] is not None:
+        checks.append(("fc.weight input features (3 aux layers × hidden_size)",
+                       weights["fc.weight"].shape[-1], 3 * want["hidden_size"]))
+    if "t2d" in weights and want["vocab_size"] is not None:
+        checks.append(("t2d length (vocab_size)", weights["t2d"].shape[0], want["vocab_size"]))
+    for name, got, expected in checks:
+        if got != expected:
+            raise ParamsError(f"{source}: {name} is {got} but the target needs {expected}; "
+                              "this draft was trained for another target")

@@ -258,7 +258,7 @@ def summarize(spec_run: dict, plain_run: dict, num_speculative_tokens: int) -> d
 def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculative_tokens: int, max_tokens: int,
                   port: int, gpu_memory_utilization: float, log_dir: Path, startup_timeout_s: float = 1800.0) -> dict:
     """Speculative then plain vLLM server on the same prompts; `eval/vllm_*` metrics."""
-    from draftlab.stages.export import check_against_target
+    from draftlab.models import check_against_target
 
     require_gpu_and_vllm()
     draft_dir = Path(draft_dir)

@@ -15,6 +15,7 @@ import torch
 
 from draftlab.params import ParamsError
 from draftlab.rundir import Manifest, RunDir, StoreDir, TargetInfo, TrainRecord
+from draftlab.models import check_against_target
 from draftlab.stages import export
 from tests.conftest import tiny_params
 
@@ -240,6 +241,6 @@ def test_store_manifest_stands_in_for_an_absent_target_config():
     """A hub target not present on this host: the manifest's recorded sizes are checked."""
     draft_cfg = {"transformer_layer_config": {"hidden_size": 32, "vocab_size": 303},
                  "eagle_aux_hidden_state_layer_ids": LAYER_IDS}
-    export.check_against_target(draft_cfg, {}, _manifest(vocab_size=303))
+    check_against_target(draft_cfg, {}, _manifest(vocab_size=303))
     with pytest.raises(ParamsError, match="vocab_size is 303 but the target has 512"):
-        export.check_against_target(draft_cfg, {}, _manifest(vocab_size=512))
+        check_against_target(draft_cfg, {}, _manifest(vocab_size=512))

@@ -151,13 +151,13 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
     import tempfile
 
     from draftlab import serving
-    from draftlab.stages import export
+    from draftlab.draft_export import export_draft
     from draftlab.models import resolve
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".vllm-draft-", dir=out_dir) as scratch:
         draft_dir = Path(scratch) / "draft"
-        export.run(params, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir, out_dir=draft_dir)
+        export_draft(params, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir, out_dir=draft_dir)
         vllm = serving.run_benchmark(
             target=resolve(params, target_dir), draft_dir=draft_dir, prompts=prompts,
             num_speculative_tokens=params.evaluate.num_speculative_tokens or params.train.ttt_steps,
