@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from draftlab import procs
+from draftlab import launch, procs
 from draftlab.params import ParamsError
 from draftlab.rundir import Launch, Manifest, RankPlan, RunDir, TargetInfo
 from draftlab.stages import train
@@ -65,11 +65,11 @@ def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
 
 
 def test_torchrun_is_standalone_on_one_node_and_rendezvous_across_nodes():
-    one = train.torchrun_cmd(tiny_params(train={"gpus": 2}), ["--epochs", "1"])
+    one = launch.torchrun_cmd(tiny_params(train={"gpus": 2}), ["--epochs", "1"])
     assert one[:3] == [sys.executable, "-m", "draftlab.torchrun"]  # torch.distributed.run without the teardown
     assert one[one.index("--nproc-per-node") + 1] == "2" and "--standalone" in one and "--rdzv-endpoint" not in one
     assert one[-4:] == ["-m", "draftlab.train_rank", "--epochs", "1"]
-    two = train.torchrun_cmd(tiny_params(train={"gpus": 8, "nnodes": 2, "node_rank": 1,
+    two = launch.torchrun_cmd(tiny_params(train={"gpus": 8, "nnodes": 2, "node_rank": 1,
                                                 "rdzv_endpoint": "head:29400"}), [])
     assert "--standalone" not in two
     assert [two[two.index(k) + 1] for k in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint")] == \
@@ -140,7 +140,7 @@ def _console():
 def test_a_dead_runs_process_group_record_is_cleared(tmp_path):
     RunDir(tmp_path).launch_file().write(Launch(pgid=_dead_group()))
     console, out = _console()
-    train.stop_orphans(tmp_path, console)
+    launch.stop_orphans(tmp_path, console)
     assert not RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""
 
 
@@ -149,15 +149,15 @@ def test_a_reused_pid_is_not_taken_for_a_rank(tmp_path):
     rec = json.loads(path.read_text())  # the pid of a rank that died, now someone else's
     path.write_text(json.dumps({**rec, "start": rec["start"] + 1}))
     console, out = _console()
-    train.stop_orphans(tmp_path, console)  # would SIGKILL this test if it took the pid for the rank
+    launch.stop_orphans(tmp_path, console)  # would SIGKILL this test if it took the pid for the rank
     assert "orphaned" not in out.getvalue()
 
 
 def test_a_live_launcher_is_left_alone(tmp_path):
     RunDir(tmp_path).launch_file().write(Launch(pgid=_dead_group()))
     console, out = _console()
-    with train.exclusive(tmp_path):  # what a running `draftlab train` holds
-        train.stop_orphans(tmp_path, console)
+    with launch.exclusive(tmp_path):  # what a running `draftlab train` holds
+        launch.stop_orphans(tmp_path, console)
     assert RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""
 
 

@@ -14,25 +14,21 @@ lock keeps two trainings out of one folder.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import signal
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import accounting as acc
-from draftlab import run_timing, store
-from draftlab.errors import HostError, UserError
+from draftlab import launch, run_timing, store
+from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError, flatten
 from draftlab.rundir import (AccountingCheck, AccountingRecord, Command, Launch, Manifest, RankPlan, RunDir,
                              RunState, TrainRecord)
 
-TERM_GRACE_S = 10
 
 
 class TrainingFailed(UserError, RuntimeError):
@@ -206,81 +202,6 @@ def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path = Path("
     return layer_ids
 
 
-def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
-    t = params.train
-    # draftlab.torchrun: torch.distributed.run, leaving without the interpreter's teardown
-    cmd = [sys.executable, "-m", "draftlab.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
-    if t.rdzv_endpoint:
-        cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint]
-    else:
-        cmd.append("--standalone")
-    return cmd + ["-m", "draftlab.train_rank", *argv]
-
-
-@contextmanager
-def exclusive(out_dir: Path, node_rank: int = 0):
-    """One training per run folder (per node): a second launcher is refused, not interleaved."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(RunDir(out_dir).lock_path(node_rank), os.O_CREAT | os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HostError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def _lock_held(out_dir: Path, node_rank: int = 0) -> bool:
-    lock = RunDir(out_dir).lock_path(node_rank)
-    if not lock.exists():
-        return False
-    fd = os.open(lock, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def _alive(pgid: int) -> bool:
-    from draftlab.procs import group_alive
-
-    return group_alive(pgid)
-
-
-def stop_orphans(out_dir: Path, console, node_rank: int = 0) -> None:
-    """Ranks of a launcher that was killed keep running (their own process group): stop them.
-    A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second."""
-    from draftlab import procs
-
-    if _lock_held(out_dir, node_rank):
-        return
-    if ranks := procs.kill_recorded(out_dir):  # ranks run in sessions of their own: by pid
-        console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")
-    launch_file = RunDir(out_dir).launch_file(node_rank)
-    launch = launch_file.peek()  # torn by the kill: no group to stop
-    if launch is None:
-        launch_file.unlink()
-        return
-    pgid = launch.pgid
-    if pgid and _alive(pgid):
-        console.print(f"[yellow]train[/]: stopping orphaned ranks of a killed run (process group {pgid})")
-        os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE_S
-        while _alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
-    launch_file.unlink()
-
-
 def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
     """What the ranks' samplers handed out, per (epoch, rank). After a mid-epoch resume the
     sampler hands out only the remaining batches, so records of one epoch are merged."""
@@ -377,10 +298,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
-        stop_orphans(out_dir, console)
+        launch.stop_orphans(out_dir, console)
         _set_aside_if_stale(out_dir, key, console)
     rd = RunDir(out_dir)
-    with exclusive(out_dir):
+    with launch.exclusive(out_dir):
         console.print(accounting_table(a, params))
         run_id, resumed = _open_run(out_dir, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
@@ -410,7 +331,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
                                 total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device,
                                 store_dtype=store_dtype)
-        cmd = torchrun_cmd(params, argv)
+        cmd = launch.torchrun_cmd(params, argv)
         rd.command.write(Command(cmd=cmd))
         rd.failure.unlink()
         from draftlab import threads

@@ -1,0 +1,91 @@
+"""How the train stage launches its ranks and keeps one training per run folder: the torchrun
+command line, the folder's lock, and the clean-up of ranks a killed launcher left running.
+
+torch's elastic launcher starts every worker with `start_new_session=True`: a signal to
+torchrun's process group never reaches the ranks, and a SIGKILLed torchrun leaves them running
+(they retry the dead TCPStore for 30 min); the ranks record their pids in the run folder and die
+with their parent (draftlab.procs), and `stop_orphans` stops what is left."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from draftlab import procs
+from draftlab.errors import HostError
+from draftlab.params import Params
+from draftlab.rundir import RunDir
+
+TERM_GRACE_S = 10
+
+
+def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
+    t = params.train
+    # draftlab.torchrun: torch.distributed.run, leaving without the interpreter's teardown
+    cmd = [sys.executable, "-m", "draftlab.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
+    if t.rdzv_endpoint:
+        cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint]
+    else:
+        cmd.append("--standalone")
+    return cmd + ["-m", "draftlab.train_rank", *argv]
+
+
+@contextmanager
+def exclusive(out_dir: Path, node_rank: int = 0):
+    """One training per run folder (per node): a second launcher is refused, not interleaved."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(RunDir(out_dir).lock_path(node_rank), os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise HostError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def lock_held(out_dir: Path, node_rank: int = 0) -> bool:
+    lock = RunDir(out_dir).lock_path(node_rank)
+    if not lock.exists():
+        return False
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def stop_orphans(out_dir: Path, console, node_rank: int = 0) -> None:
+    """Ranks of a launcher that was killed keep running (their own process group): stop them.
+    A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second."""
+    if lock_held(out_dir, node_rank):
+        return
+    if ranks := procs.kill_recorded(out_dir):  # ranks run in sessions of their own: by pid
+        console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")
+    launch_file = RunDir(out_dir).launch_file(node_rank)
+    launch = launch_file.peek()  # torn by the kill: no group to stop
+    if launch is None:
+        launch_file.unlink()
+        return
+    pgid = launch.pgid
+    if pgid and procs.group_alive(pgid):
+        console.print(f"[yellow]train[/]: stopping orphaned ranks of a killed run (process group {pgid})")
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while procs.group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if procs.group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+    launch_file.unlink()
