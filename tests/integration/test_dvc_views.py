@@ -1,6 +1,7 @@
 """What a user sees with DVC's own clients in a copy of the repo's dvc.yaml and .dvc/config:
 `dvc plots show` draws one plot per declared CSV, on the axes declared, with every TTT step's
-loss, and its HTML loads no script from the network (it renders offline)."""
+loss, and its HTML loads no script from the network (it renders offline); the metrics and plot
+files are not git-ignored, so `dvc exp run` commits them with each experiment."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _run(cmd, cwd):
 
 
 def test_plots_show_draws_each_plot_once_on_its_axes_offline(tmp_path):
-    for rel in ("dvc.yaml", "params.yaml", ".dvc/config", ".dvc/plots/offline.html"):
+    for rel in ("dvc.yaml", "params.yaml", ".gitignore", ".dvc/config", ".dvc/plots/offline.html"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp_path / rel)
     reports = tmp_path / "reports"
@@ -51,3 +52,6 @@ def test_plots_show_draws_each_plot_once_on_its_axes_offline(tmp_path):
     stages = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]
     assert all("plots" not in stage for stage in stages.values()), "a stage-level plot would draw a CSV twice"
     assert all("reports/target.json" not in json.dumps(stage.get("metrics", [])) for stage in stages.values())
+    ignored = subprocess.run(["git", "check-ignore", "reports/metrics.json", "reports/acceptance.csv",
+                              "reports/train_loss.csv"], cwd=tmp_path, capture_output=True, text=True)
+    assert ignored.stdout == "", f"git-ignored, so no experiment commit holds them: {ignored.stdout}"
