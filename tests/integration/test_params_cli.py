@@ -2,12 +2,8 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_cli_bad_params_exit_2_one_line_and_outputs_kept(tmp_path):
     """The CLI answers a params error with exit code 2 and one line, and deletes nothing."""

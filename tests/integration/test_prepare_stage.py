@@ -7,10 +7,6 @@ from draftlab.rundir import prepare_record
 from draftlab.stages.prepare import tokenize_conversation
 
 
-GOOD = json.dumps({"messages": [{"role": "user", "content": "add 1 and 2"},
-                                {"role": "assistant", "content": "3"}]})
-
-
 def test_loss_mask_covers_exactly_the_assistant_turns(built):
     from draftlab.models import load_tokenizer
 

@@ -4,7 +4,6 @@ its refusal to run without a GPU or vLLM."""
 
 import json
 import subprocess
-import textwrap
 
 import pytest
 
@@ -125,59 +124,3 @@ def test_refuses_without_gpu_or_vllm_before_starting_anything(tmp_path, monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     with pytest.raises(ParamsError, match="vllm package"):
         serving.run_benchmark(**kwargs)
-
-
-FAKE_VLLM = textwrap.dedent('''
-    """A stand-in for `vllm serve`: /health after a delay, /v1/completions, /metrics counters;
-    it also starts a child, as vLLM's engine core does."""
-    import json, subprocess, sys, time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    port, speculative, child_pid_file = int(sys.argv[1]), sys.argv[2] == "spec", sys.argv[3]
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    open(child_pid_file, "w").write(str(child.pid))
-    time.sleep(1.0)  # loading weights
-    c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos": [0, 0, 0]}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def reply(self, body, ctype="application/json"):
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                return self.reply("")
-            lines = ["# TYPE vllm:generation_tokens_total counter", "vllm:generation_tokens_total 1.0"]
-            if speculative:
-                lab = '{engine="0",model_name="draftlab-target"}'
-                lines += [f"vllm:spec_decode_num_drafts_total{lab} {c['drafts']}",
-                          f"vllm:spec_decode_num_draft_tokens_total{lab} {c['draft_tokens']}",
-                          f"vllm:spec_decode_num_accepted_tokens_total{lab} {c['accepted']}"]
-                lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{k}"}} {v}'
-                          for k, v in enumerate(c["pos"])]
-            self.reply("\\n".join(lines) + "\\n", "text/plain")
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path == "/v1/completions" and body["temperature"] == 0.0
-            n = body["max_tokens"]
-            if not body["prompt"]:
-                self.send_response(400)
-                self.send_header("Content-Length", "0")
-                return self.end_headers()
-            if speculative:  # n tokens in n/2 rounds, each accepting 1 draft (position 0)
-                c["drafts"] += n // 2; c["draft_tokens"] += 3 * (n // 2); c["accepted"] += n // 2
-                c["pos"][0] += n // 2
-            time.sleep(0.01 if speculative else 0.02)
-            text = "out-" + "-".join(map(str, body["prompt"]))
-            self.reply(json.dumps({"choices": [{"text": text}], "usage": {"completion_tokens": n}}))
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-''')
