@@ -2,7 +2,6 @@
 
 import json
 
-
 from draftlab.rundir import prepare_record
 from draftlab.stages.prepare import tokenize_conversation
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-
 from draftlab import telemetry as tm
 from tests.conftest import RecordingTracker
 

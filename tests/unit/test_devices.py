@@ -1,6 +1,5 @@
 """Device placement: auto follows the host, bad asks fail with one line naming the key and exit 2."""
 
-
 import pytest
 
 from draftlab import devices

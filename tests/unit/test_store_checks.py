@@ -4,7 +4,6 @@ made from a target's config, and extract's repair bookkeeping."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from draftlab import compat
