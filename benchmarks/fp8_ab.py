@@ -85,9 +85,9 @@ def layer_errors(stores: dict[str, Path], num_files: int) -> dict[str, list[floa
 
 
 def median_metric(run_id: str, key: str) -> float:
-    import mlflow
+    from draftlab import tracking
 
-    hist = mlflow.MlflowClient().get_metric_history(run_id, key)
+    hist = tracking.client().get_metric_history(run_id, key)
     return statistics.median(m.value for m in hist) if hist else float("nan")
 
 
