@@ -1,7 +1,7 @@
 """The models every stage loads, below the stages: where the target loads from (`resolve`), its
-tokenizer and weights (`load_target`), the trained draft (`load_draft`), and the forward hooks
-that capture the target's hidden states (`LayerCapture`), and the checks that a draft fits its
-target (`check_against_target` on its config, `check_weights` on its tensors).
+tokenizer and weights (`load_target`), the trained draft (`load_draft`), the forward hooks that
+capture the target's hidden states (`LayerCapture`), and the checks that a draft fits its target
+(`check_against_target` on its config, `check_weights` on its tensors).
 
 Aux layer id k is the input of decoder layer k (vLLM's EAGLE-3 convention: the residual stream
 after k layers); the 4th captured slot is the final layer's output *before* the final norm (HF's
