@@ -1,6 +1,5 @@
 """prepare on the tiny pipeline: loss masking with the target's chat template, the split order speculators relies on."""
 
-import json
 
 from draftlab.rundir import prepare_record
 from draftlab.stages.prepare import tokenize_conversation
