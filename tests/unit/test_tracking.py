@@ -91,3 +91,19 @@ def test_the_experiment_is_a_model_development_one(tmp_path):
     assert tracking.experiment_id(store, "older") == old
     assert store.get_experiment(old).tags[tracking.KIND_TAG] == "custom_model_development"
     assert tracking.experiment_id(store) == made
+
+
+def test_the_summarys_mlflow_link_opens_the_model_training_view(tmp_path, monkeypatch):
+    """`draftlab summary` (the end of ./quickstart.sh) prints the MLflow UI address with the switch."""
+    import re
+
+    from draftlab import console as console_module
+    from draftlab import summary
+    from draftlab.params import Params
+
+    monkeypatch.chdir(tmp_path)  # nothing produced here: the summary still says where to look
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    with console_module.console.capture() as captured:
+        summary.show(Params())
+    links = re.findall(r"https?://[^\s)]+", captured.get())
+    assert links and all(link.endswith("?workflowType=machine_learning") for link in links), links
