@@ -14,7 +14,8 @@ from draftlab.extract_ranks import ExtractFailed
 from draftlab.params import ParamsError
 from draftlab.serving import ServingError
 from draftlab.stages.prepare import RecordError
-from draftlab.stages.train import TrainingFailed, exclusive
+from draftlab.launch import exclusive
+from draftlab.stages.train import TrainingFailed
 from draftlab.sweep.space import SpaceError
 
 
