@@ -99,7 +99,7 @@ def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_
     from mlflow.entities import Metric, Param
 
     from draftlab.params import flatten
-    from draftlab.tracking import _param_str
+    from draftlab.tracking import param_str
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("draftlab")
@@ -109,7 +109,7 @@ def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_
         logged_at = time.time()
         timing = {"steps": 21, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0, "wall_s": 80.0,
                   "tail_s": tail, "ended_at": logged_at}
-        client.log_batch(rid, params=[Param(k, _param_str(v)) for k, v in flatten(BASE).items()]
+        client.log_batch(rid, params=[Param(k, param_str(v)) for k, v in flatten(BASE).items()]
                          + [Param("world_size", "1")], metrics=[Metric(f"timing/{k}", float(v), 0, 0)
                                                                for k, v in timing.items()])
         client.set_terminated(rid, "FINISHED", end_time=int((logged_at + 0.5) * 1000))  # closed 0.5 s later
