@@ -54,6 +54,26 @@ class RecordingTracker:
         self.tags.update(tags)
 
 
+@pytest.fixture(scope="session")
+def migrated_mlflow_store(tmp_path_factory) -> Path:
+    """One MLflow sqlite store, migrated once per session: a new store runs its schema migrations
+    on first use, seconds each."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store_uri(migrated_mlflow_store, tmp_path) -> str:
+    """An empty, migrated MLflow sqlite store of this test's own (tmp_path/mlflow.db): its URI."""
+    import shutil
+
+    shutil.copy(migrated_mlflow_store, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny matmuls: a second intra-op thread only spins while the other core is busy (~10x slower)."""

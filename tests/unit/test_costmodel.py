@@ -50,14 +50,14 @@ def test_cost_model_scales_from_the_nearest_count_holding_s_per_step():
     assert cm.CostModel({1: point}, lambda p: 60, with_after=False).predict(p3).wall_s == pytest.approx(68.0)
 
 
-def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_path):
+def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(store_uri):
     import mlflow
     from mlflow.entities import Metric, Param, RunTag
 
     from draftlab.params import flatten
     from draftlab.tracking import param_str
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient(store_uri)
     exp = client.create_experiment("draftlab")
     timing = {"steps": 21, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0, "wall_s": 80.0}
 
@@ -92,7 +92,7 @@ def test_one_lookup_finds_calibrations_and_finished_runs_with_the_same_rule(tmp_
     assert set(cm.points_from_mlflow(BASE, client=client)) == {1, 2, 4}
 
 
-def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_path):
+def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_path, store_uri):
     import time
 
     import mlflow
@@ -101,7 +101,7 @@ def test_a_runs_tail_reaches_its_end_and_several_runs_are_kept_newest_first(tmp_
     from draftlab.params import flatten
     from draftlab.tracking import param_str
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient(store_uri)
     exp = client.create_experiment("draftlab")
     ids = []
     for i, tail in enumerate((2.0, 4.0, 3.0)):

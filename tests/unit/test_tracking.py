@@ -1,7 +1,7 @@
 """Tracking: an unreachable server never stops training and loses no record; git tags."""
 
 
-def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch):
+def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch, store_uri):
     import mlflow
 
     from draftlab.tracking import MlflowTracker, replay_spool
@@ -17,7 +17,7 @@ def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch)
     assert tracker.offline
     assert len(spool.read_text().splitlines()) == 6
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = mlflow.MlflowClient(uri)
     run = client.create_run(client.create_experiment("x"))
@@ -28,7 +28,7 @@ def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch)
     assert client.get_run(run.info.run_id).data.params["world_size"] == "2"
 
 
-def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch):
+def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch, store_uri):
     import time
 
     import mlflow
@@ -36,7 +36,7 @@ def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_pat
     from draftlab.tracking import MlflowTracker
     from draftlab.train_rank import _Background
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("x")).info.run_id
@@ -81,10 +81,10 @@ def test_every_mlflow_link_opens_the_model_training_view(monkeypatch):
     assert ui_url("3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
 
 
-def test_the_experiment_is_a_model_development_one(tmp_path):
+def test_the_experiment_is_a_model_development_one(store_uri):
     from draftlab import tracking
 
-    store = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    store = tracking.client(store_uri)
     made = tracking.experiment_id(store)
     assert store.get_experiment(made).tags[tracking.KIND_TAG] == "custom_model_development"
     old = store.create_experiment("older")  # made before draftlab tagged its experiments
