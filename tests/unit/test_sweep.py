@@ -468,3 +468,22 @@ def test_bad_storage_urls_fail_with_one_line(url, needle):
 def test_stale_after_must_outlast_two_heartbeats(tmp_path):
     with pytest.raises(SpaceError, match="stale_after_s \\(4\\) must be at least twice heartbeat_s \\(3\\)"):
         make_spec(tmp_path, heartbeat_s=3, stale_after_s=4)
+
+
+def test_the_last_worker_to_end_is_the_one_that_ends_the_parent_run(tmp_path):
+    from draftlab.sweep.budget import Ledger
+
+    clock = FakeClock()
+    w = make_worker(tmp_path, make_spec(tmp_path), clock, SimLauncher(clock))
+    a = Ledger(w.study, "a", clock, host="h1", pid=1, devices=["0"])
+    b = Ledger(w.study, "b", clock, host="h2", pid=1, devices=["0"])
+    gone = Ledger(w.study, "gone", clock, host="h3", pid=1, devices=["0"])
+    for ledger in (a, b, gone):
+        ledger.beat(force=True)
+    clock.sleep(STALE_AFTER_S + 1)  # "gone" died long ago: it holds nothing open
+    a.beat(force=True)
+    b.beat(force=True)
+    a.end()
+    assert a.others_running(), "b still runs: a leaves the parent run to it"
+    b.end()
+    assert not b.others_running(), "b is the last: it ends the parent run"

@@ -165,6 +165,15 @@ class Ledger:
         spans.append((self.entry["start"], self.clock.now()))
         return union_s(spans)
 
+    def end(self) -> None:
+        """This worker is done: its span ends here, and the others know it did not die."""
+        self.entry["ended"] = True
+        self.beat(force=True)
+
+    def others_running(self) -> bool:
+        """Another worker of the study has neither ended nor died (it still writes to the parent run)."""
+        return any(not w.get("ended") and not self.is_dead(wid) for wid, w in self.workers(refresh=True).items())
+
     def is_dead(self, worker_id: str | None) -> bool:
         if worker_id == self.worker_id:
             return False

@@ -187,7 +187,13 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                              ended=worker.done_reason or "interrupted",
                              model_points={n: asdict(p) for n, p in model.points.items()},
                              efficiency=model.scaling_efficiency())
-            tracking.client().set_terminated(parent, status)
+            with storage.lock(spec.study):  # the last worker to end, ends the parent run
+                worker.ledger.end()
+                last = not worker.ledger.others_running()
+            if last:
+                tracking.client().set_terminated(parent, status)
+            else:
+                console.print("[bold]sweep[/]: another worker of the study still runs: the parent run stays RUNNING")
     counts = summary["trials"]
     console.print(f"[bold]sweep[/]: ended: {ended} after {time.time() - started:,.0f} s here; spent "
                   f"{summary['spent_s']:,.0f} of {summary['budget_s']:,.0f} s (overrun {summary['overrun_s']:,.0f} s); "
