@@ -110,6 +110,23 @@ class JsonFile(Generic[M]):
         self.path.unlink(missing_ok=True)
 
 
+def _file(name: str, model: type[BaseModel], remedy: str) -> property:
+    """A folder's JSON file of one model, as an attribute: `RunDir(p).train.read()`."""
+    return property(lambda self: JsonFile(self.path / name, model, remedy), doc=f"`{name}`: {model.__name__}")
+
+
+def _path(name: str, doc: str = "") -> property:
+    return property(lambda self: self.path / name, doc=doc or f"`{name}`")
+
+
+class _Folder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path})"
+
+
 # ---------------------------------------------------------------- stage records
 
 
@@ -185,19 +202,11 @@ class Manifest(Record):
 EXTRACT = "run `draftlab extract` (or `dvc repro extract`)"
 
 
-class StoreDir:
+class StoreDir(_Folder):
     """A hidden-state store folder (see draftlab.store for its layout)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    @property
-    def manifest(self) -> JsonFile[Manifest]:
-        return JsonFile(self.path / "manifest.json", Manifest, f"{EXTRACT}: it rewrites the manifest")
-
-    @property
-    def journal_path(self) -> Path:
-        return self.path / ".journal.jsonl"
+    manifest = _file("manifest.json", Manifest, f"{EXTRACT}: it rewrites the manifest")
+    journal_path = _path(".journal.jsonl", "extraction's resume record (draftlab.store.Journal)")
 
 
 # ---------------------------------------------------------------- a training run folder
@@ -363,19 +372,25 @@ def read_spool(path: Path) -> list[SpoolRecord]:
     return records
 
 
-class RunDir:
+class RunDir(_Folder):
     """A training run folder (the train stage's output, or a sweep trial's `train/`)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def __repr__(self) -> str:
-        return f"RunDir({self.path})"
-
-    @property
-    def run(self) -> JsonFile[RunState]:
-        return JsonFile(self.path / "run.json", RunState,
-                        "delete it to start a new MLflow run in this folder")
+    run = _file("run.json", RunState, "delete it to start a new MLflow run in this folder")
+    plan = _file("plan.json", RankPlan, f"{TRAIN}: the launcher rewrites it")
+    accounting = _file("accounting.json", AccountingRecord, f"{TRAIN}: the launcher rewrites it")
+    accounting_check = _file("accounting-check.json", AccountingCheck, f"{TRAIN}: it is rewritten")
+    failure = _file("failure.json", Failure, "see the training's output; delete it and retrain")
+    command = _file("command.json", Command, f"{TRAIN}: the launcher rewrites it")
+    timing = _file("timing.json", Timing, f"{TRAIN}: it is rewritten")
+    rank_done = _file("rank0-done.json", RankDone, f"{TRAIN}: rank 0 rewrites it")
+    train = _file("train.json", TrainRecord, f"{TRAIN}: it rewrites this record")
+    spool_path = _path("tracking-spool.jsonl", "MLflow calls kept while the store is unreachable (SpoolRecord)")
+    checkpoints = _path("checkpoints")
+    logs = _path("logs")
+    samples_dir = _path("samples", "each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out")
+    pids_dir = _path("pids", "each process's `<name>.json` (pid, start time): a killed launcher's ranks")
+    bottleneck_path = _path("bottleneck.json", "the bottleneck verdict and its evidence (telemetry.conclude)")
+    step_metrics_path = _path("metrics.jsonl", "rank 0's train/* metrics, one JSON line a global step (train_metrics)")
 
     def lock_path(self, node_rank: int = 0) -> Path:
         return self.path / (".lock" if node_rank == 0 else f".lock-node{node_rank}")
@@ -384,80 +399,15 @@ class RunDir:
         name = "launch.json" if node_rank == 0 else f"launch-node{node_rank}.json"
         return JsonFile(self.path / name, Launch, "no launcher is running: delete it")
 
-    @property
-    def plan(self) -> JsonFile[RankPlan]:
-        return JsonFile(self.path / "plan.json", RankPlan, f"{TRAIN}: the launcher rewrites it")
-
-    @property
-    def accounting(self) -> JsonFile[AccountingRecord]:
-        return JsonFile(self.path / "accounting.json", AccountingRecord, f"{TRAIN}: the launcher rewrites it")
-
-    @property
-    def accounting_check(self) -> JsonFile[AccountingCheck]:
-        return JsonFile(self.path / "accounting-check.json", AccountingCheck, f"{TRAIN}: it is rewritten")
-
-    @property
-    def failure(self) -> JsonFile[Failure]:
-        return JsonFile(self.path / "failure.json", Failure, "see the training's output; delete it and retrain")
-
-    @property
-    def command(self) -> JsonFile[Command]:
-        return JsonFile(self.path / "command.json", Command, f"{TRAIN}: the launcher rewrites it")
-
-    @property
-    def timing(self) -> JsonFile[Timing]:
-        return JsonFile(self.path / "timing.json", Timing, f"{TRAIN}: it is rewritten")
-
-    @property
-    def rank_done(self) -> JsonFile[RankDone]:
-        return JsonFile(self.path / "rank0-done.json", RankDone, f"{TRAIN}: rank 0 rewrites it")
-
-    @property
-    def train(self) -> JsonFile[TrainRecord]:
-        return JsonFile(self.path / "train.json", TrainRecord, f"{TRAIN}: it rewrites this record")
-
-    @property
-    def spool_path(self) -> Path:
-        """MLflow records kept while the tracking store is unreachable (`draftlab tracking-import`)."""
-        return self.path / "tracking-spool.jsonl"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def logs(self) -> Path:
-        return self.path / "logs"
-
-    @property
-    def samples_dir(self) -> Path:
-        """Each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out, per epoch."""
-        return self.path / "samples"
-
     def samples_file(self, rank: int) -> Path:
         return self.samples_dir / f"rank{rank}.jsonl"
 
     def profile_file(self, rank: int) -> Path:
-        """A rank's step profile records (draftlab.telemetry.StepProfileRecorder), one JSON line a step."""
+        """A rank's step profile records (telemetry.StepProfileRecorder), one JSON line a step."""
         return self.path / "profile" / f"rank{rank}.jsonl"
 
     def profile_files(self) -> list[Path]:
         return sorted((self.path / "profile").glob("rank*.jsonl"))
-
-    @property
-    def pids_dir(self) -> Path:
-        """Each process's `<name>.json` (pid and start time), so a killed launcher's ranks are found."""
-        return self.path / "pids"
-
-    @property
-    def bottleneck_path(self) -> Path:
-        """The bottleneck verdict with its evidence (draftlab.telemetry.conclude)."""
-        return self.path / "bottleneck.json"
-
-    @property
-    def step_metrics_path(self) -> Path:
-        """Rank 0's train/* metrics, one JSON line per global step (draftlab.train_metrics)."""
-        return self.path / "metrics.jsonl"
 
 
 # ---------------------------------------------------------------- a sweep trial folder
@@ -479,33 +429,15 @@ class TrialResult(Record):
     message: str | None = None
 
 
-class TrialDir:
+class TrialDir(_Folder):
     """One sweep trial's folder: its params, its record, its result, its training run folder."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    @property
-    def info(self) -> JsonFile[TrialInfo]:
-        return JsonFile(self.path / "trial.json", TrialInfo, "the sweep rewrites it when it starts the trial")
-
-    @property
-    def result(self) -> JsonFile[TrialResult]:
-        return JsonFile(self.path / "result.json", TrialResult, "delete it; the sweep re-runs the trial")
-
-    @property
-    def params_path(self) -> Path:
-        return self.path / "params.yaml"
-
-    @property
-    def log_path(self) -> Path:
-        return self.path / "trial.log"
+    info = _file("trial.json", TrialInfo, "the sweep rewrites it when it starts the trial")
+    result = _file("result.json", TrialResult, "delete it; the sweep re-runs the trial")
+    params_path = _path("params.yaml")
+    log_path = _path("trial.log")
+    reports = _path("reports")
 
     @property
     def train(self) -> RunDir:
         return RunDir(self.path / "train")
-
-    @property
-    def reports(self) -> Path:
-        return self.path / "reports"
-
