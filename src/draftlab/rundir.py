@@ -288,6 +288,8 @@ class Timing(RootModel[dict[str, float]]):
 class RankDone(Record):
     harness_cpu_s: dict[str, float] = Field(default_factory=dict,
                                             description="CPU seconds of rank 0's observers, by name")
+    tracking: dict[str, float] | None = Field(None, description="what tracking held the trainer's thread: "
+                                              "drains (count, max and total s), outages, the longest failed call")
 
 
 class TrainRecord(Record):
@@ -304,6 +306,8 @@ class TrainRecord(Record):
     calibration: bool = False
     timing: dict[str, float] | None = None
     harness_cpu: dict[str, Any] | None = None
+    tracking: dict[str, float] | None = Field(None, description="the writing rank's tracking stall "
+                                              "(RankDone.tracking) and the launcher's outages")
 
 
 TRAIN = "run `draftlab train` (or `dvc repro train`)"

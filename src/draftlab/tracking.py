@@ -7,8 +7,11 @@ MLflow client is built here, with the tracking URI named (`client()`); `experime
 the experiment a model-training one; `ui_url()` is the link draftlab prints.
 
 If the tracking server cannot be reached, `MlflowTracker` keeps going: every call is appended
-to a local JSONL spool (draftlab.rundir.SpoolRecord), and `draftlab tracking-import SPOOL`
-replays it later.
+to a local JSONL spool (draftlab.rundir.SpoolRecord), the server is tried again every
+RETRY_ONLINE_S, and `draftlab tracking-import SPOOL` replays the spool later (MLflow skips metric
+records it already has, so importing twice logs nothing twice). A training rank's writes fail
+fast (RANK_HTTP_ENV): MLflow's client would retry a dead server 7 times with exponential
+back-off, minutes per call, and the rank waits for its queued records before every checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ EXPERIMENT = "draftlab"
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 WORKFLOW_QUERY = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"  # `mlflow ui`'s address for a local store
+RETRY_ONLINE_S = 10.0
+# MLflow's REST client settings for a rank's writes (read by MLflow on every request): one try,
+# 5 s at most; what fails goes to the spool.
+RANK_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 def tracking_uri() -> str:
@@ -88,30 +95,53 @@ class MlflowTracker:
         self.client = client()
         self.spool = Path(spool) if spool else None
         self.offline = False
+        self.offline_since = 0.0
+        self.outages = 0  # times the server went away
+        self.failed_call_s_max = 0.0  # the longest call that ended in the spool (retries, timeouts)
 
     def _call(self, kind: str, payload: dict, fn) -> None:
+        if self.offline and time.monotonic() - self.offline_since >= RETRY_ONLINE_S:
+            self.offline = False  # try the server again; back in the spool at once if it is still away
+            self.offline_since = time.monotonic()
+            probing = True
+        else:
+            probing = False
         if not self.offline:
+            started = time.monotonic()
             for attempt in range(3):
                 try:
                     fn()
+                    if probing:
+                        self._say(f"MLflow reachable again; records of the outage stay in {self.spool} "
+                                  f"(`draftlab tracking-import {self.spool}`)")
                     return
                 except Exception as err:  # noqa: BLE001 — any outage: keep training, keep the record
                     if "locked" in str(err) and attempt < 2:
                         time.sleep(0.2 * (attempt + 1))
                         continue
-                    self.offline = True
-                    self._warn(err)
+                    self.offline, self.offline_since = True, time.monotonic()
+                    self.failed_call_s_max = max(self.failed_call_s_max, self.offline_since - started)
+                    if not probing:
+                        self.outages += 1
+                        self._warn(err)
                     break
+        self._spool(kind, payload)
+
+    def _spool(self, kind: str, payload: dict) -> None:
         if self.spool:
             from draftlab.rundir import append_spool
 
             append_spool(self.spool, {"run_id": self.run_id, "kind": kind, **payload})
 
     def _warn(self, err: Exception) -> None:
+        where = self.spool or "nowhere (no spool configured)"
+        self._say(f"MLflow unreachable ({type(err).__name__}); metrics kept in {where}")
+
+    @staticmethod
+    def _say(line: str) -> None:
         from draftlab.console import console
 
-        where = self.spool or "nowhere (no spool configured)"
-        console.print(f"[yellow]tracking[/]: MLflow unreachable ({type(err).__name__}); metrics kept in {where}")
+        console.print(f"[yellow]tracking[/]: {line}")
 
     def log_params(self, params):
         from mlflow.entities import Param
@@ -149,7 +179,7 @@ class MlflowTracker:
         self._call("metrics", payload(records[0]), send)
         if self.offline:  # the batch did not go: keep every record, not only the first
             for rec in records[1:]:
-                self._call("metrics", payload(rec), lambda: None)
+                self._spool("metrics", payload(rec))
 
     def log_artifact(self, path, artifact_path=None):
         self._call("artifact", {"path": str(path), "artifact_path": artifact_path},

@@ -44,6 +44,7 @@ class _Background:
         self.tracker = tracker
         self.queue: queue.Queue = queue.Queue()
         self.cpu_s = 0.0
+        self.drain_s: list[float] = []  # how long each drain() held the trainer (checkpoints)
         self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
         self.thread.start()
 
@@ -88,9 +89,17 @@ class _Background:
         """Block until every record queued so far is in the store."""
         import threading
 
+        started = time.monotonic()
         sent = threading.Event()
         self.queue.put(sent)
         sent.wait()
+        self.drain_s.append(time.monotonic() - started)
+
+    def stall_report(self) -> dict:
+        """What tracking cost the trainer's thread in waits, and the outages behind them."""
+        return {"drains": len(self.drain_s), "drain_s_max": max(self.drain_s, default=0.0),
+                "drain_s_total": sum(self.drain_s), "outages": getattr(self.tracker, "outages", 0),
+                "failed_call_s_max": getattr(self.tracker, "failed_call_s_max", 0.0)}
 
     def close(self):
         self.queue.put(None)
@@ -216,7 +225,9 @@ def main(argv: list[str]) -> None:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
-        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu))
+        tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
+                        None)
+        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking))
 
 
 def _cmdline(proc) -> list[str]:

@@ -107,3 +107,37 @@ def test_the_summarys_mlflow_link_opens_the_model_training_view(tmp_path, monkey
         summary.show(Params())
     links = re.findall(r"https?://[^\s)]+", captured.get())
     assert links and all(link.endswith("?workflowType=machine_learning") for link in links), links
+
+
+def test_after_an_outage_the_tracker_writes_again_and_a_second_import_adds_nothing(tmp_path, monkeypatch, store_uri):
+    """The server comes back: the tracker finds it (every RETRY_ONLINE_S), the spool keeps only
+    the outage's records, and importing them twice leaves each step once in the run."""
+    import json
+
+    import mlflow
+
+    from draftlab import tracking
+    from draftlab.tracking import RANK_HTTP_ENV, MlflowTracker, replay_spool
+
+    for k, v in RANK_HTTP_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(tracking, "RETRY_ONLINE_S", 0.0)
+    uri = store_uri
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # the server is away
+    spool = tmp_path / "spool.jsonl"
+    tracker = MlflowTracker(run_id, spool=spool)
+    tracker.log_metrics_many([({"train/loss": 10.0 - s}, s, 1000 + s) for s in range(3)])
+    tracker.log_metrics({"train/loss": 7.0}, step=3)  # tried again at once (RETRY_ONLINE_S = 0): still away
+    assert tracker.offline and tracker.outages == 1
+    tracker.client = client  # back
+    tracker.log_metrics({"train/loss": 6.0}, step=4)
+    assert not tracker.offline
+    assert [json.loads(line)["step"] for line in spool.read_text().splitlines()] == [0, 1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [4]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert replay_spool(spool) == replay_spool(spool) == 4
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(s, 10.0 - s) for s in range(5)], "each step once, after two imports"

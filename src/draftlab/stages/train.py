@@ -255,6 +255,20 @@ def _last_logged_step(run_id: str) -> int:
     return max((m.step for m in history), default=-1)
 
 
+def _tracking_stall(rd: RunDir, tracker, console) -> dict | None:
+    """The writing rank's tracking waits and outages (rank0-done.json); says where an outage's
+    records are and how to upload them."""
+    done = rd.rank_done.peek()
+    spool = rd.spool_path
+    if spool.exists():
+        n = len(spool.read_text().splitlines())
+        console.print(f"[yellow]tracking[/]: {n} record(s) of an MLflow outage are in {spool}; upload them with "
+                      f"`draftlab tracking-import {spool}`")
+    if done is None or done.tracking is None:
+        return None
+    return {**done.tracking, "launcher_outages": tracker.outages}
+
+
 def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
     state = RunDir(out_dir).run.read_or_none()
     if state is not None and state.key != key:
@@ -340,7 +354,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # torch each one per core of the machine)
         # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
-                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri())
+                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri(),
+                   **tracking.RANK_HTTP_ENV)
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
@@ -400,7 +415,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             run_id=run_id, checkpoint=str(checkpoint), total_steps=a.total_steps, world_size=a.world_size,
             wall_clock_s=round(wall, 2), tokens_per_s=round(tokens_per_s, 1), accounting="verified",
             bottleneck=verdict.overall.label, calibration=params.train.max_steps is not None, timing=timing,
-            harness_cpu=harness))
+            harness_cpu=harness, tracking=_tracking_stall(rd, tracker, console)))
         client.set_terminated(run_id, "FINISHED")
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
                   f"checkpoint {checkpoint}; MLflow run {run_id}")
