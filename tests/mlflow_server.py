@@ -1,0 +1,96 @@
+"""The MLflow tracking server of compose.yaml, run for a test on 127.0.0.1: the `mlflow` service's
+own command with its host, port, backend store, artifact folder and allowed hosts replaced, so
+the test checks what compose runs.
+
+    server = MlflowServer(postgres_url, tmp_path / "mlartifacts").start()
+    ...  # MLFLOW_TRACKING_URI=server.url
+    server.kill()        # an outage: the whole process group, SIGKILL
+    server.start()       # same port, same store
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.postgres import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 180
+
+
+def compose_command(*, host: str, port: int, backend: str, artifacts: Path) -> list[str]:
+    """services.mlflow.command of compose.yaml, with this machine's values for what differs."""
+    command = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["mlflow"]["command"]
+    local = {"--host": host, "--port": str(port), "--backend-store-uri": backend,
+             "--artifacts-destination": str(artifacts), "--allowed-hosts": f"127.0.0.1:{port},127.0.0.1"}
+    given = {arg.split("=", 1)[0] for arg in command if arg.startswith("--")}
+    assert set(local) <= given, f"compose's mlflow command lacks {set(local) - given}"
+    out = [str(Path(sys.executable).parent / "mlflow") if command[0] == "mlflow" else command[0]]
+    for arg in command[1:]:
+        key = arg.split("=", 1)[0]
+        out.append(f"{key}={local[key]}" if key in local else arg)
+    return out
+
+
+class MlflowServer:
+    def __init__(self, backend: str, artifacts: Path, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = compose_command(host="127.0.0.1", port=self.port, backend=backend, artifacts=artifacts)
+        self.log = log or Path(artifacts).parent / "mlflow-server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> MlflowServer:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mlflow server not healthy after {START_TIMEOUT_S} s: {self.log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _signal(self, sig: int, wait_s: float) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return True
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        from draftlab.procs import group_alive
+
+        deadline = time.monotonic() + wait_s  # uvicorn's workers, MLflow's job runner
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not group_alive(self.proc.pid)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to the server's whole process group."""
+        self._signal(signal.SIGKILL, 10)
+
+    def stop(self) -> None:
+        if not self._signal(signal.SIGTERM, 15):
+            self.kill()
