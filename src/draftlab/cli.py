@@ -114,9 +114,20 @@ def train(
     data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
     store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
     out: Annotated[Path, typer.Option(help="Run folder (checkpoints, accounting, run id).")] = Path("runs/train"),
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This host's train.node_rank (multi-node: "
+                                                  "the same params on every node, this flag on the others).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="train.rdzv_endpoint, host:port "
+                                                      "on node 0 (multi-node).")] = None,
 ) -> None:
     """Train the draft with speculators' trainer under torchrun; accounting checked, MLflow-tracked."""
     p = _load(params)
+    if node_rank is not None or rdzv_endpoint is not None:  # where this host runs, not what it trains
+        from draftlab.params import parse_params
+
+        raw = p.model_dump()
+        raw["train"].update({k: v for k, v in (("node_rank", node_rank), ("rdzv_endpoint", rdzv_endpoint))
+                             if v is not None})
+        p = parse_params(raw)
     import psutil
 
     from draftlab.stages import train as stage

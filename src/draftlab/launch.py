@@ -29,7 +29,10 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
     # draftlab.torchrun: torch.distributed.run, leaving without the interpreter's teardown
     cmd = [sys.executable, "-m", "draftlab.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
     if t.rdzv_endpoint:
-        cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint]
+        # node 0 hosts the rendezvous store (its host is the endpoint's); the others connect to it.
+        # c10d ignores --node-rank for torch's ranks: ownership is by train.node_rank, never RANK
+        cmd += ["--node-rank", str(t.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint,
+                "--rdzv-conf", f"is_host={str(t.node_rank == 0).lower()}"]
     else:
         cmd.append("--standalone")
     return cmd + ["-m", "draftlab.train_rank", *argv]
@@ -69,10 +72,11 @@ def lock_held(out_dir: Path, node_rank: int = 0) -> bool:
 
 def stop_orphans(out_dir: Path, console, node_rank: int = 0) -> None:
     """Ranks of a launcher that was killed keep running (their own process group): stop them.
-    A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second."""
+    A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second.
+    Per node: only this node's ranks (`node_rank`'s lock, launch file and pids), never another's."""
     if lock_held(out_dir, node_rank):
         return
-    if ranks := procs.kill_recorded(out_dir):  # ranks run in sessions of their own: by pid
+    if ranks := procs.kill_recorded(RunDir(out_dir).node_dir(node_rank)):  # own sessions: by pid; this node's
         console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")
     launch_file = RunDir(out_dir).launch_file(node_rank)
     launch = launch_file.peek()  # torn by the kill: no group to stop

@@ -204,10 +204,12 @@ class Train(Section):
     gpus: PositiveInt = Field(
         1, description="Training processes per node (GPUs on a GPU host; gloo ranks on CPU)."
     )
-    nnodes: PositiveInt = Field(1, description="Nodes (multi-node: every node runs `draftlab train`).")
-    node_rank: int = Field(0, ge=0, description="This node's rank (multi-node).")
+    nnodes: PositiveInt = Field(1, description="Nodes (multi-node: every node runs `draftlab train` on the "
+                                "same shared run folder, with its own node_rank).")
+    node_rank: int = Field(0, ge=0, description="This node's rank (multi-node). Node 0 owns the job: its launcher "
+                           "opens the one MLflow run, computes and checks the accounting and hosts the rendezvous.")
     rdzv_endpoint: str | None = Field(
-        None, description="host:port of the rendezvous (multi-node); null = standalone on this host."
+        None, description="host:port of the c10d rendezvous, on node 0 (multi-node); null = standalone on this host."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda if available, else cpu.")
     sharding: Literal["ddp", "fsdp"] = Field(
@@ -257,6 +259,14 @@ class Train(Section):
         "store's manifest: `sha256` (size, header and content hash; README: loader verification) or "
         "`header` (size and header only). The first bad file stops the run, named.",
     )
+
+    @model_validator(mode="after")
+    def _nodes(self) -> Train:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes} (nodes are 0..{self.nnodes - 1})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint: host:port on node 0, the same on every node")
+        return self
 
     def world_size(self) -> int:
         return self.gpus * self.nnodes

@@ -7,7 +7,8 @@ pydantic model here, and its name is known only here:
     <store>/.journal.jsonl          (store.Journal) extraction's resume record
     <run>/run.json                  RunState       the MLflow run this folder resumes, and its key
     <run>/launch.json               Launch         torchrun's process group (stop_orphans, the sweep)
-    <run>/.lock                     (flock)        one launcher per folder
+    <run>/.lock                     (flock)        one launcher per folder (per node: .lock-node<k>)
+    <run>/node<k>/pids/             (procs)        node k's ranks, stopped only by node k's launcher
     <run>/plan.json                 RankPlan       launcher → ranks: steps, tokens, ETA priors, settings
     <run>/accounting.json           AccountingRecord  the exact step accounting (an MLflow artifact)
     <run>/accounting-check.json     AccountingCheck   what the ranks did against it
@@ -219,6 +220,7 @@ class RunState(Record):
 
 class Launch(Record):
     pgid: int
+    host: str | None = Field(None, description="where that process group runs (a node's launch file)")
 
 
 class RankPlan(Record):
@@ -288,6 +290,8 @@ class Timing(RootModel[dict[str, float]]):
 class RankDone(Record):
     harness_cpu_s: dict[str, float] = Field(default_factory=dict,
                                             description="CPU seconds of rank 0's observers, by name")
+    node_rank: int | None = Field(None, description="the node (train.node_rank) this rank ran on: torch's "
+                                  "rank 0 may be on any node")
     tracking: dict[str, float] | None = Field(None, description="what tracking held the trainer's thread: "
                                               "drains (count, max and total s), outages, the longest failed call")
 
@@ -398,6 +402,11 @@ class RunDir(_Folder):
 
     def lock_path(self, node_rank: int = 0) -> Path:
         return self.path / (".lock" if node_rank == 0 else f".lock-node{node_rank}")
+
+    def node_dir(self, node_rank: int = 0) -> Path:
+        """Where one node's launcher keeps what only that host can act on (its ranks' pids, in
+        `pids/`): the folder itself for node 0, `node<k>/` for the others."""
+        return self.path if node_rank == 0 else self.path / f"node{node_rank}"
 
     def launch_file(self, node_rank: int = 0) -> JsonFile[Launch]:
         name = "launch.json" if node_rank == 0 else f"launch-node{node_rank}.json"

@@ -7,10 +7,11 @@ whose rank plan (draftlab.rundir.RankPlan) says the rest.
 Observers (rank-local, no effect on what the trainer computes):
 - every rank appends the sample ids its train sampler hands out per epoch to
   the run folder (RunDir.samples_file) — the launcher checks them disjoint and complete;
-- global rank 0 logs speculators' metric records into the launcher's MLflow run
-  (`MLFLOW_RUN_ID`) with perf/* figures derived from the step accounting, skips steps already
-  logged before a resume, and stops the run on a NaN/inf loss; it also appends each step's
-  train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl` once (draftlab.train_metrics).
+- global rank 0, on whichever node it runs, logs speculators' metric records into the MLflow run
+  node 0's launcher opened (its id read from the shared run folder's run.json) with perf/* figures
+  derived from the step accounting, skips steps already logged before a resume, and stops the run
+  on a NaN/inf loss; it also appends each step's train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl`
+  once (draftlab.train_metrics).
 """
 
 from __future__ import annotations
@@ -186,15 +187,17 @@ def main(argv: list[str]) -> None:
     procs.die_with_parent()  # torchrun starts ranks in their own session: only this reaches them
     run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
     rank = int(os.environ.get("RANK", "0"))
+    node = int(os.environ.get("DRAFTLAB_NODE_RANK", "0"))  # train.node_rank: c10d's RANK order ignores it
     handlers = []
     plan = RunDir(run_dir).plan.read() if run_dir is not None else None
     if run_dir is not None:
-        procs.record_self(run_dir, f"rank{rank}")
+        procs.record_self(RunDir(run_dir).node_dir(node), f"rank{rank}")  # stopped by this node's launcher
         from draftlab.telemetry import StepProfileRecorder
 
         compat.record_sampler_batches(RunDir(run_dir).samples_file(rank))
         handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))
-        run_id = os.environ.get("MLFLOW_RUN_ID")
+        state = RunDir(run_dir).run.read_or_none() if rank == 0 else None
+        run_id = state.run_id if state is not None else os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
             from draftlab.tracking import MlflowTracker
 
@@ -227,7 +230,7 @@ def main(argv: list[str]) -> None:
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
-        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking))
+        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node))
 
 
 def _cmdline(proc) -> list[str]:

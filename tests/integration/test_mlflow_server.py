@@ -226,6 +226,9 @@ class NestedRunLauncher:
             def intermediate(self):
                 return {}
 
+            def run_id(self):
+                return run.info.run_id
+
             def terminate(self):
                 pass
 

@@ -58,8 +58,10 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
     from draftlab.capture import dataset_fingerprint
 
-    # verify_reads changes what is checked, not what is trained: a run folder stays resumable across it
-    fields = {"train": params.train.model_dump(exclude={"verify_reads"}), "data": params.data.model_dump(),
+    # verify_reads changes what is checked, not what is trained, and the rendezvous's address and
+    # this node's rank where it runs: a run folder stays resumable across them
+    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint"}),
+              "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
     return store.store_key(fields)
 
@@ -123,6 +125,16 @@ def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = No
     return t
 
 
+def vocab_paths(params: Params, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """Where vocab_mappings writes d2t/t2d (another node reads them from the shared folder)."""
+    from transformers import AutoConfig
+
+    from draftlab.models import resolve
+
+    size = min(params.train.draft_vocab_size, AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size)
+    return out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
+
+
 def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     """d2t/t2d written into the run folder (speculators would cache them in the dataset folder,
     which is another stage's output)."""
@@ -140,7 +152,7 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
     size = min(params.train.draft_vocab_size, vocab)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
-    d2t_path, t2d_path = out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
+    d2t_path, t2d_path = vocab_paths(params, target_dir, out_dir)
     np.save(d2t_path, d2t.cpu().numpy())
     np.save(t2d_path, t2d.cpu().numpy())
     return d2t_path, t2d_path
@@ -279,19 +291,8 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
-        run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
-    """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
-    `started_at`: when this training's process started (time.time()); default: now. Everything
-    from then to the end counts as the cost model's start-up."""
-    started_at = time.time() if started_at is None else started_at
-    import mlflow
-
-    from draftlab import devices, procs, tracking
-    from draftlab.console import console
-    from draftlab.models import resolve
-    from draftlab.tracking import MlflowTracker, git_tags
-
+def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], str, str]:
+    """Every check before anything is written or launched: (layer ids, store dtype, device)."""
     manifest = store.read_manifest(store_dir)
     layer_ids = check_layer_ids(params, manifest, store_dir)
     store_dtype = manifest.dtype
@@ -306,6 +307,27 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     device = resolve_device(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
+    return layer_ids, store_dtype, device
+
+
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
+        run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
+    """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
+    `started_at`: when this training's process started (time.time()); default: now. Everything
+    from then to the end counts as the cost model's start-up."""
+    started_at = time.time() if started_at is None else started_at
+    if params.train.node_rank > 0:
+        from draftlab.nodes import join
+
+        return join(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out_dir)
+    import mlflow
+
+    from draftlab import devices, procs, tracking
+    from draftlab.console import console
+    from draftlab.models import resolve
+    from draftlab.tracking import MlflowTracker, git_tags
+
+    layer_ids, store_dtype, device = preflight(params, data_dir, store_dir, console)
     manifest_sha = store.manifest_hash(store_dir)
     key = run_key(params, manifest_sha, data_dir)
     a, step_tokens = plan(params, data_dir)
@@ -313,6 +335,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
         launch.stop_orphans(out_dir, console)
+        state = RunDir(out_dir).run.read_or_none()
+        if params.train.nnodes > 1 and state is not None and state.key != key:
+            from draftlab.nodes import refuse_if_nodes_run
+
+            refuse_if_nodes_run(out_dir, params.train.nnodes)  # before the folder is set aside
         _set_aside_if_stale(out_dir, key, console)
     rd = RunDir(out_dir)
     with launch.exclusive(out_dir):
@@ -354,6 +381,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # torch each one per core of the machine)
         # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
+                   DRAFTLAB_NODE_RANK="0",
                    DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri(),
                    **tracking.RANK_HTTP_ENV)
         started = time.perf_counter()
@@ -366,6 +394,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
             try:
                 procs.clear_recorded(out_dir)
+                rd.rank_done.unlink()
                 proc = procs.spawn(cmd, env=env)
                 rd.launch_file().write(Launch(pgid=proc.pid))
                 try:
@@ -388,6 +417,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
             raise TrainingFailed(f"train: {why}; {see}")
 
+        if params.train.nnodes > 1:
+            from draftlab.nodes import wait_for_writer
+
+            wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
         observed_steps = last_global_step(rd.checkpoints)
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
                                       run_timing.epoch_end_steps(rd.checkpoints))
