@@ -92,5 +92,5 @@ class MlflowServer:
         self._signal(signal.SIGKILL, 10)
 
     def stop(self) -> None:
-        if not self._signal(signal.SIGTERM, 15):
+        if not self._signal(signal.SIGTERM, 5):
             self.kill()

@@ -89,7 +89,8 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
     import signal
     import socket
 
-    from draftlab import procs, threads
+    from draftlab import procs, store, threads
+    from draftlab.params import ParamsError
     from draftlab.console import console
     from draftlab.stages import train as tr
     from draftlab.models import resolve
@@ -116,6 +117,13 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
                    DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking_uri(), **RANK_HTTP_ENV)
         env.pop("MLFLOW_RUN_ID", None)  # a rank that writes reads the run id from node 0's run.json
         wait_for_rendezvous(t.rdzv_endpoint, console)
+        # node 0 wrote run.json before it opened the rendezvous: the same params and data, or no job
+        state = rd.run.read_or_none()
+        key = tr.run_key(params, store.manifest_hash(store_dir), data_dir)
+        if state is None or state.key != key:
+            raise ParamsError(f"{rd.run.path}: node 0 trains other params or data than this node's "
+                              f"(run key {state.key[:12] if state else 'missing'} there, {key[:12]} here); give every "
+                              "node the same params.yaml, store and dataset (only train.node_rank differs)")
         pids = rd.node_dir(node)
         procs.clear_recorded(pids)
         started = time.perf_counter()
