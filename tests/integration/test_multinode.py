@@ -73,7 +73,7 @@ def _scenario(start_both, out: Path, tmp_path: Path, uri: str) -> None:
             assert time.monotonic() < deadline, "no checkpoint"
             time.sleep(0.1)
         ranks = [pid for pid in train_ranks_of(out)  # torchrun's own command line names train_rank too
-                 if b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                 if b"torchrun" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2]]
         assert len(ranks) == 2, "one rank per node"
 
     def killed(procs, victim: int):
