@@ -44,8 +44,8 @@ def refuse_if_nodes_run(out_dir: Path, nnodes: int) -> None:
 
     rd = RunDir(out_dir)
     here = socket.gethostname()
-    busy = [k for k in range(1, nnodes) if (launch := rd.launch_file(k).peek()) is not None
-            and launch.host in (None, here) and group_alive(launch.pgid)]
+    busy = [k for k in range(1, nnodes) if (rec := rd.launch_file(k).peek()) is not None
+            and rec.host in (None, here) and group_alive(rec.pgid)]
     if busy:
         raise NodeBusy(f"{out_dir}: node(s) {busy} have ranks running in this folder ({rd.launch_file(busy[0]).path}); "
                        "stop them, then start every node again")
@@ -89,11 +89,11 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
     import signal
     import socket
 
-    from draftlab import procs, store, threads
-    from draftlab.params import ParamsError
+    from draftlab import launch, procs, store, threads
     from draftlab.console import console
-    from draftlab.stages import train as tr
     from draftlab.models import resolve
+    from draftlab.params import ParamsError
+    from draftlab.stages import train as tr
     from draftlab.tracking import RANK_HTTP_ENV, tracking_uri
 
     t = params.train
