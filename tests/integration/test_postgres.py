@@ -3,8 +3,6 @@ reached by `postgresql://` URL, one database per test, nothing left running."""
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 def test_each_test_gets_its_own_database_reachable_by_url(postgres_url, postgres_cluster):
     """A plain `postgresql://` URL, as in compose.yaml and `draftlab sweep --storage`, through
