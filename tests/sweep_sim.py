@@ -149,3 +149,13 @@ def run_to_end(worker, clock, limit=100_000):
             return worker.done_reason
         clock.sleep(POLL)
     raise AssertionError("the sweep did not end")
+
+
+def run_side_by_side(workers, clock):
+    """Step every worker each poll (as on separate hosts) until each says it is done."""
+    done = {w: False for w in workers}
+    while not all(done.values()):
+        for w in workers:
+            if not done[w]:
+                done[w] = w.step()
+        clock.sleep(POLL)

@@ -85,8 +85,6 @@ def wait_for_rendezvous(endpoint: str, console, timeout_s: float = RENDEZVOUS_WA
 
 def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path):
     """A node other than 0: run this node's ranks of the job node 0 owns."""
-    import os
-    import signal
     import socket
 
     from draftlab import launch, procs, store, threads
@@ -130,13 +128,8 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
         try:
             from draftlab.rundir import Launch
 
-            proc = procs.spawn(cmd, env=env)
-            rd.launch_file(node).write(Launch(pgid=proc.pid, host=socket.gethostname()))
-            try:
-                rc = proc.wait()
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGTERM)
-                rc = proc.wait()
+            rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file(node).write(
+                Launch(pgid=p.pid, host=socket.gethostname())))
         finally:
             procs.kill_recorded(pids)
         rd.launch_file(node).unlink()

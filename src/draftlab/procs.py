@@ -130,6 +130,20 @@ def spawn(cmd: list[str], *, env: dict | None = None, new_session: bool = True, 
     return _spawner.call(start)
 
 
+def run_group(cmd: list[str], *, env: dict | None = None, on_start=None) -> int:
+    """Run `cmd` through `spawn` (a process group of its own), call `on_start(proc)` once it has
+    started, and wait for it. Ctrl-C sends the whole group SIGTERM and waits for it. Returns
+    the exit code."""
+    proc = spawn(cmd, env=env)
+    if on_start is not None:
+        on_start(proc)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait()
+
+
 # ---------------------------------------------------------------- pids recorded in a run folder
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,16 +58,6 @@ def _repo_with_store(built, dest: Path, env, **train) -> Path:
     return dest
 
 
-def _wait(predicate, timeout_s: float, what: str, proc=None):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"ended before {what}: {proc.stdout.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.1)
-    return value
-
-
 def _spooled_steps(spool: Path) -> list[int]:
     if not spool.exists():
         return []
@@ -89,14 +80,14 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
     # --- dvc repro: train, evaluate, export; the server dies after epoch 1's checkpoint
     dvc = subprocess.Popen(["dvc", "repro", "--downstream", "train"], cwd=repo, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    _wait(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
-    ranks = _wait(lambda: train_ranks_of(out), 30, "the rank")
+    wait_for(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
+    ranks = wait_for(lambda: train_ranks_of(out), 30, "the rank")
     for pid in ranks:  # held while the server goes, so the steps after it certainly meet the outage
         os.kill(pid, signal.SIGSTOP)
     mlflow_server.kill()
     for pid in ranks:
         os.kill(pid, signal.SIGCONT)
-    _wait(lambda: _spooled_steps(spool), 120, "the rank to keep an outage step in the spool", dvc)
+    wait_for(lambda: _spooled_steps(spool), 120, "the rank to keep an outage step in the spool", dvc)
     mlflow_server.start()  # same port, same PostgreSQL store
     output = dvc.communicate(timeout=600)[0]
     assert dvc.returncode == 0, output[-4000:]

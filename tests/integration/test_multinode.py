@@ -15,14 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.1)
-    return value
+from tests.waiting import wait_for
 
 
 def test_two_nodes_one_job_kill9_of_either_launcher_then_both_resume(built, tmp_path, monkeypatch):
@@ -79,7 +72,7 @@ def _scenario(start_both, out: Path, tmp_path: Path, uri: str) -> None:
     def killed(procs, victim: int):
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait()
-        _wait(lambda: not train_ranks_of(out), 120, "every rank of both nodes to stop")
+        wait_for(lambda: not train_ranks_of(out), 120, "every rank of both nodes to stop")
         other = procs[1 - victim]
         assert other.wait(timeout=180) != 0, "the other node's launcher reports the failed job"
 

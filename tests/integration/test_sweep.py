@@ -4,6 +4,8 @@ kill -9 of the sweep mid-trial, then the same command again."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import signal
@@ -16,19 +18,12 @@ import pytest
 import yaml
 
 from draftlab.rundir import TrialDir
+from tests.waiting import wait_for
+
+_wait = functools.partial(wait_for, poll_s=1)  # a study is read from storage: poll it less often
 
 
 BUDGET_S = 1800  # never the limit here: --n-trials ends the resumed sweep, whatever this host's speed
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _alive(pgid: int) -> bool:

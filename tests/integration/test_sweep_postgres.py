@@ -9,6 +9,8 @@ assertion depends on how fast anything runs."""
 
 from __future__ import annotations
 
+import functools
+
 import os
 import signal
 import subprocess
@@ -20,17 +22,10 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.sweep_sim import GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker
+from tests.sweep_sim import GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_side_by_side
+from tests.waiting import wait_for
 
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait = functools.partial(wait_for, poll_s=0.2)  # a study is read from storage: poll it less often
 
 
 def _load(url: str, name: str):
@@ -51,12 +46,7 @@ def test_two_workers_share_one_budget_one_calibration_and_never_run_a_trial_twic
     t0 = clock.now()
     a.start()
     b.start()  # the same moment: the calibration is queued once
-    done = {a: False, b: False}
-    while not all(done.values()):
-        for w in (a, b):
-            if not done[w]:
-                done[w] = w.step()
-        clock.sleep(POLL)
+    run_side_by_side((a, b), clock)
     for w in (a, b):
         w.close(w.done_reason)
     assert clock.now() - t0 <= 1200 + GRACE + 3 * POLL, "together inside the budget + grace"

@@ -14,8 +14,8 @@ from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, st
 from draftlab.sweep.propose import rejected
 from draftlab.sweep.report import pareto_front, trial_rows
 from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
-from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_to_end,
-                             sim_duration, sim_steps)
+from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_side_by_side,
+                             run_to_end, sim_duration, sim_steps)
 
 
 def statuses(study):
@@ -273,12 +273,7 @@ def test_two_workers_share_one_budget(tmp_path):
     b = make_worker(tmp_path, spec, clock, launcher, host="hostB", devices=("0", "1"))
     b.start()
     t0 = clock.now() - 300
-    done = {a: False, b: False}
-    while not all(done.values()):
-        for w in (a, b):
-            if not done[w]:
-                done[w] = w.step()
-        clock.sleep(POLL)
+    run_side_by_side((a, b), clock)
     end = clock.now() - t0
     assert end <= 1200 + GRACE + 3 * POLL, "B stops at the shared budget, not 1200 s after it joined"
     assert a.ledger.spent_s() == pytest.approx(b.ledger.spent_s(), abs=STALE_AFTER_S)

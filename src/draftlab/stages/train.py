@@ -15,9 +15,7 @@ lock keeps two trainings out of one folder.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,13 +393,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             try:
                 procs.clear_recorded(out_dir)
                 rd.rank_done.unlink()
-                proc = procs.spawn(cmd, env=env)
-                rd.launch_file().write(Launch(pgid=proc.pid))
-                try:
-                    rc = proc.wait()
-                except KeyboardInterrupt:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    rc = proc.wait()
+                rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file().write(Launch(pgid=p.pid)))
             finally:
                 sampler.stop()
                 procs.kill_recorded(out_dir)  # a rank that outlived torchrun (it should not) goes now
