@@ -159,3 +159,12 @@ def run_side_by_side(workers, clock):
             if not done[w]:
                 done[w] = w.step()
         clock.sleep(POLL)
+
+
+def dead_pid() -> int:
+    """A pid no process has (a kill -9 victim's, as a peer sees it), found without starting one:
+    the highest free pid, which the kernel hands out last."""
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text())
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid

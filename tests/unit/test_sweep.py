@@ -4,7 +4,6 @@ device packing, resume after a dead worker, and two workers sharing one budget."
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
@@ -14,8 +13,8 @@ from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, st
 from draftlab.sweep.propose import rejected
 from draftlab.sweep.report import pareto_front, trial_rows
 from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
-from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_side_by_side,
-                             run_to_end, sim_duration, sim_steps)
+from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, dead_pid, make_spec, make_worker,
+                             run_side_by_side, run_to_end, sim_duration, sim_steps)
 
 
 def statuses(study):
@@ -230,11 +229,9 @@ def test_trials_pack_onto_disjoint_device_slots(tmp_path):
 
 def test_resume_after_kill9_marks_the_orphan_failed_and_does_not_redo_or_recount(tmp_path):
     clock = FakeClock()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
     launcher = SimLauncher(clock)
     spec = make_spec(tmp_path, budget=900)
-    a = make_worker(tmp_path, spec, clock, launcher, pid=dead.pid)  # its pid is gone: a kill -9 victim
+    a = make_worker(tmp_path, spec, clock, launcher, pid=dead_pid())  # its pid is gone: a kill -9 victim
     a.start()
     while len([t for t in a.study.get_trials() if t.state.name == "COMPLETE"]) < 3 or not a.running:
         a.step()
@@ -427,12 +424,10 @@ def test_a_worker_notices_a_dead_peer_on_the_journal_while_it_runs(tmp_path):
     """Two workers on one host and journal: B dies (kill -9: its pid is gone, its trial's
     process would live on); A, still running, fails B's trial as interrupted and reaps it."""
     clock = FakeClock()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
     launcher = SimLauncher(clock)
     spec = make_spec(tmp_path, budget=3000)
     a = make_worker(tmp_path, spec, clock, launcher, devices=("cpu0",))
-    b = make_worker(tmp_path, spec, clock, launcher, devices=("cpu1",), pid=dead.pid)
+    b = make_worker(tmp_path, spec, clock, launcher, devices=("cpu1",), pid=dead_pid())
     a.start()
     b.start()
     while not any(r.spec.role == "search" for r in b.running):
