@@ -178,10 +178,24 @@ def test_a_kill9_worker_is_found_by_the_heartbeat_and_a_restarted_one_carries_on
     assert row["status"] == "interrupted" and row["run_id"] == f"run-{victim.number}"
 
 
-def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
+@pytest.fixture
+def tracking_server(postgres_cluster, tmp_path):
+    """compose's MLflow server (tests/mlflow_server.py) on a database of its own: Optuna and
+    MLflow each create an `alembic_version` table, so they cannot share one."""
+    from tests.mlflow_server import MlflowServer
+
+    server = MlflowServer(postgres_cluster.create_database("real_mlflow"), tmp_path / "mlartifacts").start()
+    yield server
+    server.stop()
+
+
+def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_path, postgres_url, tracking_server):
     """`draftlab sweep` with a postgresql:// storage runs a real trial (train under torchrun +
-    evaluate); the calibration is given, so the one trial is the search trial."""
+    evaluate) and logs it to compose's MLflow server (PostgreSQL store, proxied artifacts): the
+    nested trial run's params, metrics and artifacts are readable through the REST API. The
+    calibration is given, so the one trial is the search trial."""
     import optuna
+    import requests
 
     from draftlab.costmodel import Point
     from draftlab.sweep import calibration
@@ -199,7 +213,7 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
     study = optuna.create_study(study_name="real", storage=postgres_url, direction="maximize")
     calibration.save(study, Point(1, fixed_s=30, step_s=0.5, epoch_s=2, tokens_per_s=500, steps=21, epochs=2,
                                   wall_s=45, source="stated", after_s=10))
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_server.url, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "draftlab.cli", "sweep", "space.yaml", "--target", str(target_dir),
            "--data", str(data_dir), "--store", str(store_dir), "--out", "sweeps", "--n-trials", "1"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -214,3 +228,27 @@ def test_one_real_trial_on_postgresql(built, tmp_path, postgres_url):
 
     result = TrialDir(tmp_path / trials[0].user_attrs["trial_dir"]).result.read()
     assert result.ok and result.run_id == run_id
+
+    # --- the trial's run, read back through the server's REST API
+    api = f"{tracking_server.url}/api/2.0/mlflow"
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30).json()["run"]
+    assert run["info"]["status"] == "FINISHED"
+    assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:"), "artifacts go through the server"
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    parent = tags["mlflow.parentRunId"]
+    assert requests.get(f"{api}/runs/get", params={"run_id": parent}, timeout=30).json()["run"]["info"]["status"] \
+        == "FINISHED", "the sweep's parent run, ended"
+    assert tags["draftlab.accounting"] == "verified"
+    assert "train.resolved_lr" in {p["key"] for p in run["data"]["params"]}
+    assert {"train/loss", "eval/simulated_acc_len", "eval/measured_acc_len"} <= {m["key"] for m in run["data"]["metrics"]}
+
+    def listed(run, path=None):
+        body = requests.get(f"{api}/artifacts/list", params={"run_id": run, **({"path": path} if path else {})},
+                            timeout=30).json()
+        return {f["path"] for f in body.get("files", [])}
+
+    assert {"accounting.json", "checkpoint", "evaluate"} <= listed(run_id)
+    assert "checkpoint/model.safetensors" in listed(run_id, "checkpoint")
+    assert {"evaluate/acceptance_by_position.png", "evaluate/loss_per_ttt_step.png"} <= listed(run_id, "evaluate")
+    assert "sweep/trials.csv" in listed(parent, "sweep")
+    assert list((tmp_path / "mlartifacts").rglob("model.safetensors")), "stored in --artifacts-destination"
