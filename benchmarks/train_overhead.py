@@ -27,6 +27,15 @@ Runs alternate bare, torchrun, full / full, torchrun, bare, pair after pair; eac
 full/bare within one pair, reported as median and min–max. Goal: ratio ≥ 0.97. Start-up (process start to step 0) is
 printed apart: it is a fixed cost per run, not a rate.
 
+`--side-by-side` runs each pair's two arms at the same time instead, each pinned to its own CPU
+(sched_setaffinity, inherited by torchrun and the ranks; the CPUs swap from pair to pair):
+`full` (launcher, torchrun, rank and every draftlab thread on one CPU) against the bare
+trainer under the same torchrun command on the other. On a shared VM the speed of the machine
+moves by ±10 % from one minute to the next; run apart, that drift is in every ratio, run
+together it moves both arms alike and cancels. The bare arm starts later by the start-up
+difference the previous pair measured, and the rates count only the steps that ended while
+both arms were stepping. Needs 2 CPUs; `--epochs 20` or more keeps the overlap long.
+
 ETA: from the full run's MLflow history, `perf/eta_s` at the step nearest 10 % of the total,
 against the command's exit (the ETA includes validation, checkpoints and the tail after the last step):
 error = (ETA − actual remaining) / actual remaining. Goal: |error| ≤ 5 %. Printed beside it, to
@@ -43,6 +52,7 @@ never to runs/ or mlflow.db.
     python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs = 63 steps, 2 pairs: ~4-7 min here
     python benchmarks/train_overhead.py --pairs 3 --json reports/train_overhead.json
     python benchmarks/train_overhead.py --threads 2 --total-seq-len 512 --epochs 6
+    python benchmarks/train_overhead.py --side-by-side --epochs 24 --pairs 7
 """
 
 from __future__ import annotations
@@ -80,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per process (OMP_NUM_THREADS; 0 = torch's default). 1 by default: on a "
                     "shared 2-core machine a descheduled OpenMP thread stalls every parallel region")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run each pair's full and bare-under-torchrun arms at once, one CPU each (common-mode "
+                    "machine drift cancels in the ratio)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the temp dir goes (default: system temp)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (run folders, logs, MLflow store)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -165,39 +178,68 @@ def child_env(args, tmp: Path) -> dict:
 # ---------------------------------------------------------------- one run of each
 
 
-def run_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False) -> dict:
+class Started:
+    """One arm's command, started now (optionally pinned to one CPU, after a delay); `finish()`
+    waits for it and returns its record."""
+
+    def __init__(self, cmd: list[str], *, env: dict, log: Path, cwd: Path, cpu: int | None = None,
+                 delay_s: float = 0.0):
+        if delay_s > 0:
+            time.sleep(delay_s)
+        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+        self.log, self.file = log, open(log, "w")  # noqa: SIM115
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.file, stderr=subprocess.STDOUT, cwd=cwd,
+                                     preexec_fn=pin)
+
+    def finish(self, what: str) -> dict:
+        rc = self.proc.wait()
+        ended = time.time()
+        self.file.close()
+        if rc != 0:
+            tail = "".join(self.log.read_text().splitlines(keepends=True)[-6:])
+            raise SystemExit(f"{what} failed (exit {rc}); see {self.log}:\n{tail}")
+        return {"started": self.started, "ended": ended}
+
+
+def start_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False,
+               cpu: int | None = None, delay_s: float = 0.0) -> tuple[Started, list[str]]:
     argv = [x.replace("@OUT@", str(out)) for x in argv_template]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if torchrun \
         else [sys.executable]
     cmd = [*launcher, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"), "--", *argv]
-    started = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
-    ended = time.time()
-    if rc != 0:
-        raise SystemExit(f"bare trainer failed (exit {rc}); see {log}")
-    return {"started": started, "ended": ended, "records": read_profile(out / "profile.jsonl"), "argv": argv}
+    return Started(cmd, env=env, log=log, cwd=out.parent, cpu=cpu, delay_s=delay_s), argv
 
 
-def run_full(params_path: Path, args, out: Path, env: dict, log: Path) -> dict:
+def finish_bare(started: Started, argv: list[str], out: Path) -> dict:
+    return {**started.finish("bare trainer"), "records": read_profile(out / "profile.jsonl"), "argv": argv}
+
+
+def run_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False) -> dict:
+    return finish_bare(*start_bare(argv_template, out, env, log, torchrun=torchrun), out)
+
+
+def start_full(params_path: Path, args, out: Path, env: dict, log: Path, *, cpu: int | None = None) -> Started:
     exe = Path(sys.executable).with_name("draftlab")
     draftlab = [str(exe)] if exe.exists() else [sys.executable, "-c", "from draftlab.cli import main; main()"]
     cmd = [*draftlab, "train", "--params", str(params_path), "--target", str(args.target), "--data", str(args.data),
            "--store", str(args.store), "--out", str(out)]
-    started = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=out.parent).returncode
-    ended = time.time()
-    if rc != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-6:])
-        raise SystemExit(f"draftlab train failed (exit {rc}); see {log}:\n{tail}")
+    return Started(cmd, env=env, log=log, cwd=out.parent, cpu=cpu)
+
+
+def finish_full(started: Started, out: Path) -> dict:
+    times = started.finish("draftlab train")
     from draftlab.rundir import RunDir
 
     rank_argv = RunDir(out).command.read().cmd
     rank_argv = rank_argv[rank_argv.index("draftlab.train_rank") + 1:]
-    return {"started": started, "ended": ended, "records": read_profile(out / "profile" / "rank0.jsonl"),
+    return {**times, "records": read_profile(out / "profile" / "rank0.jsonl"),
             "argv": rank_argv, "run_id": RunDir(out).run.read().run_id,
             "harness_cpu": RunDir(out).train.read().harness_cpu}
+
+
+def run_full(params_path: Path, args, out: Path, env: dict, log: Path) -> dict:
+    return finish_full(start_full(params_path, args, out, env, log), out)
 
 
 def read_profile(path: Path) -> list[dict]:
@@ -207,16 +249,22 @@ def read_profile(path: Path) -> list[dict]:
     return sorted(recs, key=lambda r: r["step"])
 
 
-def rates(run: dict, total_steps: int) -> dict:
+def rates(run: dict, total_steps: int, window: tuple[float, float] | None = None) -> dict:
+    """tokens/s of steps 1..N-1, or (`window`) of those that ended inside it (side by side: while
+    both arms were stepping)."""
     recs = run["records"]
     if len(recs) != total_steps:
         raise SystemExit(f"expected {total_steps} profiled steps, found {len(recs)}: profile every step "
                          "(speculators' --log-freq 1) and check the run's log")
     tokens = [round(r["tokens_per_s"] * r["step_ms"] / 1000) for r in recs]
-    body, body_tokens = recs[1:], sum(tokens[1:])
+    inside = [i for i in range(1, len(recs)) if window is None or window[0] <= recs[i]["t"] <= window[1]]
+    if len(inside) < 10:
+        raise SystemExit(f"only {len(inside)} steps ran while both arms stepped: raise --epochs")
+    body, body_tokens = [recs[i] for i in inside], sum(tokens[i] for i in inside)
     step_s = sum(r["step_ms"] for r in body) / 1000
-    span_s = recs[-1]["t"] - recs[0]["t"]
+    span_s = body[-1]["t"] - recs[inside[0] - 1]["t"]
     return {"steps_tokens_per_s": body_tokens / step_s, "span_tokens_per_s": body_tokens / span_s,
+            "steps_counted": len(body),
             "step_tokens": tokens, "startup_s": recs[0]["t"] - run["started"],
             "after_last_step_s": run["ended"] - recs[-1]["t"], "wall_clock_s": run["ended"] - run["started"],
             **{f"{k}_median": statistics.median(r[k] for r in body) for k in PHASES}}
@@ -281,11 +329,31 @@ def bench(args, tmp: Path, env: dict) -> None:
     print(f"setup: {total_steps} global steps ({args.epochs} epochs of {args.total_seq_len}-token rows, "
           f"world size {params.train.world_size()}), torch threads {args.threads or 'default'}, temp dir {tmp}")
 
-    arms = ("bare", "torchrun", "full") if args.torchrun_arm else ("bare", "full")
+    if args.side_by_side and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--side-by-side needs 2 CPUs in this process's affinity")
+    arms = ("bare", "torchrun", "full") if args.torchrun_arm and not args.side_by_side else \
+        ("torchrun", "full") if args.side_by_side else ("bare", "full")
     pairs, etas = [], []
+    lead_s = 6.0  # side by side: how much longer full's start-up is than the bare arm's (measured per pair)
     for i in range(args.pairs):
         runs = {}
-        for kind in (arms if i % 2 == 0 else arms[::-1]):
+        if args.side_by_side:
+            cpus = sorted(os.sched_getaffinity(0))[:2]
+            cpu_full, cpu_bare = (cpus if i % 2 == 0 else cpus[::-1])
+            out_f, out_b = tmp / f"full-{i}", tmp / f"torchrun-{i}"
+            out_b.mkdir()
+            full = start_full(params_path, args, out_f, env, tmp / f"full-{i}.log", cpu=cpu_full)
+            bare, bargv = start_bare(argv, out_b, env, tmp / f"torchrun-{i}.log", torchrun=True, cpu=cpu_bare,
+                                     delay_s=lead_s)
+            runs["full"], runs["torchrun"] = finish_full(full, out_f), finish_bare(bare, bargv, out_b)
+            ends = {k: (run["records"][1]["t"], run["records"][-1]["t"]) for k, run in runs.items()}
+            window = (max(a for a, _ in ends.values()), min(b for _, b in ends.values()))
+            for kind, run in runs.items():
+                run["rates"] = rates(run, total_steps, window)
+            lead_s = max(0.0, lead_s + runs["full"]["rates"]["startup_s"] + runs["full"]["started"]
+                         - runs["torchrun"]["rates"]["startup_s"] - runs["torchrun"]["started"])
+            runs["full"]["cpu"], runs["torchrun"]["cpu"] = cpu_full, cpu_bare
+        for kind in (arms if i % 2 == 0 else arms[::-1]) if not args.side_by_side else ():
             out = tmp / f"{kind}-{i}"
             log = tmp / f"{kind}-{i}.log"
             if kind == "full":
@@ -295,17 +363,20 @@ def bench(args, tmp: Path, env: dict) -> None:
                 runs[kind] = run_bare(argv, out, env, log, torchrun=kind == "torchrun")
             runs[kind]["rates"] = rates(runs[kind], total_steps)
         r = {kind: run["rates"] for kind, run in runs.items()}
-        b, f = r["bare"], r["full"]
+        # the ratio's denominator: the bare trainer (side by side: under the same torchrun command)
+        b, f = r.get("bare", r["torchrun"]), r["full"]
         same_argv = len({tuple(_without_paths(run["argv"])) for run in runs.values()}) == 1
         same_tokens = len({tuple(x["step_tokens"]) for x in r.values()}) == 1
         eta = eta_check(runs["full"], total_steps, env["MLFLOW_TRACKING_URI"])
         etas.append(eta)
-        pair = {"order": ",".join(arms if i % 2 == 0 else arms[::-1]),
+        order = (f"side by side, full on CPU {runs['full']['cpu']}, bare under torchrun on CPU {runs['torchrun']['cpu']}"
+                 if args.side_by_side else ",".join(arms if i % 2 == 0 else arms[::-1]))
+        pair = {"order": order,
                 "steps_ratio": f["steps_tokens_per_s"] / b["steps_tokens_per_s"],
                 "span_ratio": f["span_tokens_per_s"] / b["span_tokens_per_s"],
                 **{kind: {k: v for k, v in x.items() if k != "step_tokens"} for kind, x in r.items()},
                 "same_argv_but_paths": same_argv, "same_step_tokens": same_tokens}
-        if "torchrun" in r:
+        if "torchrun" in r and "bare" in r:
             pair["torchrun_ratio"] = r["torchrun"]["steps_tokens_per_s"] / b["steps_tokens_per_s"]
             pair["full_over_torchrun"] = f["steps_tokens_per_s"] / r["torchrun"]["steps_tokens_per_s"]
         pair["harness_cpu_ms_per_step"] = 1000 * runs["full"]["harness_cpu"]["per_step_s"]
@@ -313,15 +384,16 @@ def bench(args, tmp: Path, env: dict) -> None:
         print(f"pair {i} ({pair['order']}): tokens/s (steps) " + ", ".join(
             f"{kind} {x['steps_tokens_per_s']:,.0f}" for kind, x in r.items()) + f" → full/bare {pair['steps_ratio']:.3f}"
             + (f", torchrun/bare {pair['torchrun_ratio']:.3f}, full/torchrun {pair['full_over_torchrun']:.3f}"
-               if "torchrun" in r else "")
+               if "torchrun_ratio" in pair else "")
+            + (f" ({f['steps_counted']} and {b['steps_counted']} steps while both stepped)" if args.side_by_side else "")
             + f"; span full/bare {pair['span_ratio']:.3f}; start-up " + ", ".join(
             f"{kind} {x['startup_s']:.1f} s" for kind, x in r.items()) + "; whole command " + ", ".join(
             f"{kind} {x['wall_clock_s']:.1f} s" for kind, x in r.items()))
         print(f"    median ms per step full − bare: " + ", ".join(
             f"{k[:-3]} {f[k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES)
             + ("; torchrun − bare: " + ", ".join(
-               f"{k[:-3]} {r['torchrun'][k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES) if "torchrun" in r
-               else "")
+               f"{k[:-3]} {r['torchrun'][k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES)
+               if "torchrun_ratio" in pair else "")
             + f"; ETA at step {eta['at_step']} {eta['eta_s']:.1f} s vs {eta['actual_remaining_s']:.1f} s actual "
             f"({eta['error']:+.1%}); same argv but paths: {same_argv}, same tokens per step: {same_tokens}")
 
@@ -331,20 +403,22 @@ def bench(args, tmp: Path, env: dict) -> None:
     plain = spread([e["plain_mean_error"] for e in etas])
     between = spread([e["remaining_between_steps_s"] / e["actual_remaining_s"] for e in etas])
     drift = spread([e["step_ms_rest"] / e["step_ms_first_10pct"] for e in etas])
-    deltas = {k: spread([p["full"][k + "_median"] - p["bare"][k + "_median"] for p in pairs]) for k in PHASES}
+    deltas = {k: spread([p["full"][k + "_median"] - p.get("bare", p.get("torchrun"))[k + "_median"] for p in pairs]) for k in PHASES}
     print("where the harness's time goes, median ms per step full − bare: " + "; ".join(
         f"{k[:-3]} {_fmt(d, 0)}" for k, d in deltas.items()) + " (fetch holds the previous step's metric logging)")
     print(f"ETA diagnosis: of the actual remaining time, {_fmt(between, 3)} was outside steps (validation, "
           f"checkpoints, epoch turnovers); step_ms after the ETA point / before it: {_fmt(drift, 2)} (machine load "
           f"moves this); a plain mean of steps 1..{etas[0]['at_step']} would have erred {_fmt(plain, 3)}")
+    how = ("pairs run side by side, one CPU each, bare under the same torchrun command, steps while both stepped"
+           if args.side_by_side else "interleaved pairs")
     print(f"RESULT tokens/s full/bare (steps' own profile, step 0 excluded): {_fmt(steps_r)} over {args.pairs} "
-          f"interleaved pairs; goal ≥ 0.97")
+          f"{how}; goal ≥ 0.97")
     print(f"RESULT tokens/s full/bare (wall-clock span, validation + checkpoints included): {_fmt(span_r)}")
     cpu = spread([p["harness_cpu_ms_per_step"] for p in pairs])
     print(f"RESULT harness CPU per step (launcher process + rank 0's observers and tracking thread, "
           f"train.json harness_cpu): {_fmt(cpu, 1)} ms, against a median step of "
           f"{statistics.median(p['full']['step_ms_median'] for p in pairs):.0f} ms")
-    if args.torchrun_arm:
+    if all("torchrun_ratio" in p for p in pairs):
         print(f"RESULT split: torchrun alone (bare trainer under torchrun: gloo process group, DDP) tokens/s "
               f"torchrun/bare {_fmt(spread([p['torchrun_ratio'] for p in pairs]))}; draftlab's own part full/torchrun "
               f"{_fmt(spread([p['full_over_torchrun'] for p in pairs]))}")

@@ -207,6 +207,9 @@ class TelemetrySampler:
         )
 
     def _run(self) -> None:
+        from draftlab.threads import yield_cpu
+
+        yield_cpu()  # a sample waits for a CPU the ranks leave
         step = 0
         while not self._stop.wait(self.interval_s):
             try:

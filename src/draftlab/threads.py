@@ -85,3 +85,29 @@ def configure(share: int = 1) -> int:
     if torch is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+BACKGROUND_NICE = 19  # the lowest priority: the trainer's (and the launcher's own) work goes first
+
+
+def yield_cpu(native_id: int | None = None) -> bool:
+    """Run a draftlab observer thread (the rank's tracking writer, the launcher's telemetry and
+    MLflow system-metrics samplers) at nice 19: it takes a CPU the trainer leaves idle, and on a
+    host with CPUs to spare it runs as before. Linux keeps a nice value per thread, so this
+    touches no other thread; the default thread (`native_id` None) is the calling one. False
+    where the platform does not allow it (nothing changes)."""
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, native_id or threading.get_native_id(), BACKGROUND_NICE)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def yield_cpu_of(thread_name: str) -> int:
+    """yield_cpu for every live thread of this process with that name (one another library
+    started); how many it lowered."""
+    import threading
+
+    return sum(yield_cpu(t.native_id) for t in threading.enumerate() if t.name == thread_name and t.native_id)

@@ -34,7 +34,8 @@ class _Background:
     per FLUSH_S, each record keeping the time it was made. A synchronous sqlite write per step
     cost ~20 ms of the step (in speculators' fetch time); one background write per step still
     cost 8–9 ms of CPU per step (run_timing.harness_cpu's tracking_thread), taken from the
-    trainer on a 2-core host."""
+    trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu): where
+    the trainer keeps every CPU busy its records wait for the next checkpoint's drain or the end."""
 
     FLUSH_S = 1.0
 
@@ -61,6 +62,9 @@ class _Background:
         import queue
         import threading
 
+        from draftlab.threads import yield_cpu
+
+        yield_cpu()  # the writes wait for a CPU the trainer leaves: they cost its steps nothing
         pending, last, done = [], time.monotonic(), False
         while not done:
             wait = max(self.FLUSH_S - (time.monotonic() - last), 0.0) if pending else None

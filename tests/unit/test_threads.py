@@ -47,3 +47,41 @@ def test_sweep_trials_get_their_slots_share_of_the_threads(tmp_path, monkeypatch
     assert cpu["OMP_NUM_THREADS"] == "2" and cpu["OMP_WAIT_POLICY"] == "PASSIVE"
     gpu = env(["0"], True)  # one GPU of four: a quarter of the CPUs
     assert gpu["OMP_NUM_THREADS"] == "2" and gpu["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def _nice(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+def test_the_ranks_tracking_writer_yields_the_cpu_and_the_trainers_thread_keeps_its_priority():
+    import threading
+
+    from tests.conftest import RecordingTracker
+    from draftlab.train_rank import _Background
+
+    mine = _nice(threading.get_native_id())
+    bg = _Background(RecordingTracker())
+    try:
+        bg.log_metrics({"train/loss": 1.0}, step=0)
+        bg.drain()  # the writer thread is running its loop by now
+        assert _nice(bg.thread.native_id) == threads.BACKGROUND_NICE
+        assert _nice(threading.get_native_id()) == mine
+    finally:
+        bg.close()
+
+
+def test_a_thread_another_library_started_is_found_by_name_and_lowered_alone():
+    import threading
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="SystemMetricsMonitor", daemon=True)
+    bystander = threading.Thread(target=stop.wait, name="bystander", daemon=True)
+    other.start(), bystander.start()
+    try:
+        before = _nice(bystander.native_id)
+        assert threads.yield_cpu_of("SystemMetricsMonitor") == 1
+        assert _nice(other.native_id) == threads.BACKGROUND_NICE
+        assert _nice(bystander.native_id) == before
+        assert threads.yield_cpu_of("no such thread") == 0
+    finally:
+        stop.set()

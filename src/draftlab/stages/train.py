@@ -389,6 +389,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         from draftlab import bottleneck, telemetry
 
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
+            threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
             try:
                 procs.clear_recorded(out_dir)
