@@ -114,6 +114,19 @@ def test_steps_logged_before_a_resume_are_not_logged_again(handler):
     assert (5, {"val/loss_epoch": 2.5}) in tracker.metrics
 
 
+def test_step_phases_reach_mlflow_as_each_epochs_mean_at_its_last_step(handler):
+    h, tracker = handler
+    for step in range(3, 6):  # epoch 1: steps 3..5
+        msg = _train_msg(1.0, epoch=1)
+        msg["profile"].update(step_ms=40.0 + 10 * step, fwd_ms=step)
+        h.emit(_record(msg, step))
+    h.tracker.close()
+    with_phases = [(step, m) for step, m in tracker.metrics if "perf/step_ms" in m]
+    assert [step for step, _ in with_phases] == [5]
+    assert with_phases[0][1]["perf/step_ms"] == pytest.approx(80.0) and with_phases[0][1]["perf/fwd_ms"] == 4.0
+    assert all("perf/tokens_per_s" in m for step, m in tracker.metrics if "train/loss" in m), "rates every step"
+
+
 @pytest.mark.parametrize("loss", [math.nan, math.inf])
 def test_a_non_finite_loss_stops_training_and_says_where(handler, tmp_path, loss):
     h, tracker = handler
