@@ -48,3 +48,30 @@ class StepWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         self.last = step
+
+
+def backfill(run_dir: Path, client, run_id: str) -> int:
+    """Steps the MLflow run has and the file lacks, written into it (a run folder from before the
+    file existed, or whose file was lost): the file is rewritten whole, in step order, atomically;
+    steps already in it keep their values. Returns how many steps it added."""
+    import os
+
+    have = read(run_dir)
+    keys = sorted(k for k in client.get_run(run_id).data.metrics if k.startswith("train/"))
+    if "train/loss" not in keys:
+        return 0
+    found: dict[int, dict] = {}
+    for key in [*keys, "epoch"]:
+        for m in client.get_metric_history(run_id, key):
+            found.setdefault(m.step, {}).setdefault(key, m.value)  # a step's first value, as in the ranks' file
+    missing = {s: rec for s, rec in found.items() if s not in have and "train/loss" in rec}
+    if not missing:
+        return 0
+    for rec in missing.values():
+        rec["epoch"] = int(rec.get("epoch", 0))
+    merged = {**{s: {"step": s, **r} for s, r in missing.items()}, **have}
+    path = RunDir(Path(run_dir)).step_metrics_path
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(merged[s]) + "\n" for s in sorted(merged)))
+    os.replace(tmp, path)
+    return len(missing)

@@ -181,6 +181,14 @@ def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_s
     params = _train_params(built, epochs=1)
     _, target_dir, data_dir, store_dir = built
     result = _run(params, built, tmp_path / "run")
+    from draftlab import train_metrics
+
+    curve = train_metrics.read(tmp_path / "run")
+    # a folder trained before rank 0 wrote metrics.jsonl: the rerun resumes, trains nothing more,
+    # and restores the file from the MLflow run, so evaluate's input is there again
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    assert _run(params, built, tmp_path / "run").run_id == result.run_id
+    assert train_metrics.read(tmp_path / "run") == curve and len(curve) == result.total_steps
     tracker = MlflowTracker(result.run_id)
     ev = evaluate.run(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir,
                       train_dir=tmp_path / "run", out_dir=tmp_path / "reports", tracker=tracker)

@@ -192,6 +192,31 @@ def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path
     assert len(lines) == 6 and all(line.startswith('{"step": ') for line in lines)
 
 
+def test_a_folder_without_its_step_record_gets_the_mlflow_runs_steps_back(tmp_path, store_uri):
+    import mlflow
+
+    from draftlab import train_metrics
+
+    client = mlflow.MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("draftlab")).info.run_id
+    for step in range(5):
+        client.log_metric(run_id, "train/loss", 5.0 - step, step=step)
+        client.log_metric(run_id, "train/loss_0", 6.0 - step, step=step)
+        client.log_metric(run_id, "epoch", step // 3, step=step)
+    client.log_metric(run_id, "val/loss_epoch", 1.0, step=2)
+    writer = train_metrics.StepWriter(tmp_path)
+    for step in (3, 4):  # what the ranks wrote after a resume: their values stay
+        writer.write(step, {"train/loss": 0.5, "epoch": 1})
+    assert train_metrics.backfill(tmp_path, client, run_id) == 3
+    steps = train_metrics.read(tmp_path)
+    assert sorted(steps) == [0, 1, 2, 3, 4]
+    assert steps[1] == {"step": 1, "train/loss": 4.0, "train/loss_0": 5.0, "epoch": 0}
+    assert steps[3]["train/loss"] == 0.5 and "val/loss_epoch" not in steps[2]
+    assert train_metrics.backfill(tmp_path, client, run_id) == 0, "nothing twice"
+    lines = RunDir(tmp_path).step_metrics_path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]
+
+
 def test_the_rank_writes_every_finite_step_to_the_run_folder(handler, tmp_path):
     from draftlab import train_metrics
 

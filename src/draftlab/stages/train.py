@@ -235,6 +235,23 @@ def _versions() -> dict[str, str]:
     return {f"version.{p}": md.version(p) for p in ("torch", "speculators", "transformers", "mlflow", "draftlab")}
 
 
+def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
+    """A resumed folder's metrics.jsonl (evaluate's input) gets the steps its MLflow run has and
+    it lacks: a folder trained before the file existed trains nothing more and would never
+    write them."""
+    from draftlab import tracking, train_metrics
+
+    try:
+        added = train_metrics.backfill(rd.path, tracking.client(), run_id)
+    except Exception as err:  # noqa: BLE001 — the store may be down: training goes on without it
+        console.print(f"[yellow]train[/]: {rd.step_metrics_path} not checked against MLflow run {run_id} "
+                      f"({type(err).__name__}); rerun `draftlab train` once the store is reachable")
+        return
+    if added:
+        console.print(f"[bold]train[/]: {added} steps of train/* metrics restored into {rd.step_metrics_path} "
+                      f"from MLflow run {run_id}")
+
+
 def _open_run(out_dir: Path, key: str, console, tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """The MLflow run for this folder: the same one again after a kill, else a new one."""
     from draftlab import tracking
@@ -357,6 +374,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         else:
             tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
             console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
+            _restore_step_metrics(rd, run_id, console)
         rd.accounting.write(AccountingRecord(**a.to_json()))
         rd.plan.write(RankPlan(
             total_steps=a.total_steps, step_tokens=step_tokens, last_logged_step=_last_logged_step(run_id),
