@@ -95,9 +95,13 @@ def yield_cpu(native_id: int | None = None) -> bool:
     MLflow system-metrics samplers) at nice 19: it takes a CPU the trainer leaves idle, and on a
     host with CPUs to spare it runs as before. Linux keeps a nice value per thread, so this
     touches no other thread; the default thread (`native_id` None) is the calling one. False
-    where the platform does not allow it (nothing changes)."""
+    where the platform does not allow it (nothing changes): elsewhere a thread id passed to
+    setpriority would name a process."""
+    import sys
     import threading
 
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         os.setpriority(os.PRIO_PROCESS, native_id or threading.get_native_id(), BACKGROUND_NICE)
         return True
