@@ -34,7 +34,7 @@ trainer under the same torchrun command on the other. On a shared VM the speed o
 moves by ±10 % from one minute to the next; run apart, that drift is in every ratio, run
 together it moves both arms alike and cancels. The bare arm starts later by the start-up
 difference the previous pair measured, and the rates count only the steps that ended while
-both arms were stepping. Needs 2 CPUs; `--epochs 20` or more keeps the overlap long.
+both arms were stepping (with `--epochs 12`, 258 steps, about 220 of them). Needs 2 CPUs.
 
 ETA: from the full run's MLflow history, `perf/eta_s` at the step nearest 10 % of the total,
 against the command's exit (the ETA includes validation, checkpoints and the tail after the last step):
@@ -52,7 +52,7 @@ never to runs/ or mlflow.db.
     python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs = 63 steps, 2 pairs: ~4-7 min here
     python benchmarks/train_overhead.py --pairs 3 --json reports/train_overhead.json
     python benchmarks/train_overhead.py --threads 2 --total-seq-len 512 --epochs 6
-    python benchmarks/train_overhead.py --side-by-side --epochs 24 --pairs 7
+    python benchmarks/train_overhead.py --side-by-side --epochs 12 --pairs 7
 """
 
 from __future__ import annotations
@@ -321,6 +321,41 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def one_after_other(args, tmp: Path, env: dict, params_path: Path, argv: list[str], total_steps: int,
+                    order: tuple[str, ...], i: int) -> dict:
+    runs = {}
+    for kind in order:
+        out, log = tmp / f"{kind}-{i}", tmp / f"{kind}-{i}.log"
+        if kind == "full":
+            runs[kind] = run_full(params_path, args, out, env, log)
+        else:
+            out.mkdir()
+            runs[kind] = run_bare(argv, out, env, log, torchrun=kind == "torchrun")
+        runs[kind]["rates"] = rates(runs[kind], total_steps)
+    return runs
+
+
+def side_by_side(args, tmp: Path, env: dict, params_path: Path, argv: list[str], total_steps: int, i: int,
+                 lead_s: float) -> tuple[dict, float]:
+    """`full` and the bare trainer under torchrun at once, one CPU each (swapped on odd pairs), the
+    bare one started `lead_s` later; rates over the steps that ended while both stepped. Returns
+    the runs and the next pair's lead (this one's, corrected by how far apart the first steps were)."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    cpu_full, cpu_bare = cpus if i % 2 == 0 else cpus[::-1]
+    out_f, out_b = tmp / f"full-{i}", tmp / f"torchrun-{i}"
+    out_b.mkdir()
+    full = start_full(params_path, args, out_f, env, tmp / f"full-{i}.log", cpu=cpu_full)
+    bare, bare_argv = start_bare(argv, out_b, env, tmp / f"torchrun-{i}.log", torchrun=True, cpu=cpu_bare,
+                                 delay_s=lead_s)
+    runs = {"full": finish_full(full, out_f), "torchrun": finish_bare(bare, bare_argv, out_b)}
+    window = (max(run["records"][1]["t"] for run in runs.values()), min(run["records"][-1]["t"] for run in runs.values()))
+    for run in runs.values():
+        run["rates"] = rates(run, total_steps, window)
+    runs["full"]["cpu"], runs["torchrun"]["cpu"] = cpu_full, cpu_bare
+    first = {kind: run["records"][0]["t"] for kind, run in runs.items()}
+    return runs, max(0.0, lead_s + first["full"] - first["torchrun"])
+
+
 def bench(args, tmp: Path, env: dict) -> None:
     t0 = time.time()
     params_path = tmp / "params.yaml"
@@ -331,37 +366,17 @@ def bench(args, tmp: Path, env: dict) -> None:
 
     if args.side_by_side and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--side-by-side needs 2 CPUs in this process's affinity")
-    arms = ("bare", "torchrun", "full") if args.torchrun_arm and not args.side_by_side else \
-        ("torchrun", "full") if args.side_by_side else ("bare", "full")
+    if args.side_by_side:
+        arms = ("torchrun", "full")
+    else:
+        arms = ("bare", "torchrun", "full") if args.torchrun_arm else ("bare", "full")
     pairs, etas = [], []
-    lead_s = 6.0  # side by side: how much longer full's start-up is than the bare arm's (measured per pair)
+    lead_s = 6.0  # side by side: how much later the bare arm starts (full's longer start-up; measured per pair)
     for i in range(args.pairs):
-        runs = {}
         if args.side_by_side:
-            cpus = sorted(os.sched_getaffinity(0))[:2]
-            cpu_full, cpu_bare = (cpus if i % 2 == 0 else cpus[::-1])
-            out_f, out_b = tmp / f"full-{i}", tmp / f"torchrun-{i}"
-            out_b.mkdir()
-            full = start_full(params_path, args, out_f, env, tmp / f"full-{i}.log", cpu=cpu_full)
-            bare, bargv = start_bare(argv, out_b, env, tmp / f"torchrun-{i}.log", torchrun=True, cpu=cpu_bare,
-                                     delay_s=lead_s)
-            runs["full"], runs["torchrun"] = finish_full(full, out_f), finish_bare(bare, bargv, out_b)
-            ends = {k: (run["records"][1]["t"], run["records"][-1]["t"]) for k, run in runs.items()}
-            window = (max(a for a, _ in ends.values()), min(b for _, b in ends.values()))
-            for kind, run in runs.items():
-                run["rates"] = rates(run, total_steps, window)
-            lead_s = max(0.0, lead_s + runs["full"]["rates"]["startup_s"] + runs["full"]["started"]
-                         - runs["torchrun"]["rates"]["startup_s"] - runs["torchrun"]["started"])
-            runs["full"]["cpu"], runs["torchrun"]["cpu"] = cpu_full, cpu_bare
-        for kind in (arms if i % 2 == 0 else arms[::-1]) if not args.side_by_side else ():
-            out = tmp / f"{kind}-{i}"
-            log = tmp / f"{kind}-{i}.log"
-            if kind == "full":
-                runs[kind] = run_full(params_path, args, out, env, log)
-            else:
-                out.mkdir()
-                runs[kind] = run_bare(argv, out, env, log, torchrun=kind == "torchrun")
-            runs[kind]["rates"] = rates(runs[kind], total_steps)
+            runs, lead_s = side_by_side(args, tmp, env, params_path, argv, total_steps, i, lead_s)
+        else:
+            runs = one_after_other(args, tmp, env, params_path, argv, total_steps, arms if i % 2 == 0 else arms[::-1], i)
         r = {kind: run["rates"] for kind, run in runs.items()}
         # the ratio's denominator: the bare trainer (side by side: under the same torchrun command)
         b, f = r.get("bare", r["torchrun"]), r["full"]
@@ -403,7 +418,8 @@ def bench(args, tmp: Path, env: dict) -> None:
     plain = spread([e["plain_mean_error"] for e in etas])
     between = spread([e["remaining_between_steps_s"] / e["actual_remaining_s"] for e in etas])
     drift = spread([e["step_ms_rest"] / e["step_ms_first_10pct"] for e in etas])
-    deltas = {k: spread([p["full"][k + "_median"] - p.get("bare", p.get("torchrun"))[k + "_median"] for p in pairs]) for k in PHASES}
+    deltas = {k: spread([p["full"][k + "_median"] - p.get("bare", p.get("torchrun"))[k + "_median"] for p in pairs])
+              for k in PHASES}
     print("where the harness's time goes, median ms per step full − bare: " + "; ".join(
         f"{k[:-3]} {_fmt(d, 0)}" for k, d in deltas.items()) + " (fetch holds the previous step's metric logging)")
     print(f"ETA diagnosis: of the actual remaining time, {_fmt(between, 3)} was outside steps (validation, "
