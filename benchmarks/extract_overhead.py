@@ -163,7 +163,7 @@ def extract_batch(model, capture, ds, batch: list[int], *, out_dir: Path, torch_
     import torch
     from safetensors.torch import save
 
-    from draftlab import store
+    from draftlab.store import layout as store
     from draftlab.util import write_bytes_atomic
 
     input_ids, mask, lens = pad_batch(ds, batch)
@@ -184,8 +184,8 @@ def run_paired(model, params, ds, batches, padded, store_dir: Path, layer_ids, f
     """P: per batch, an extraction step and a bare forward, in alternating order."""
     import torch
 
-    from draftlab import store
     from draftlab.models import LayerCapture
+    from draftlab.store import layout as store
 
     torch_dtype = getattr(torch, params.extract.dtype)
     journal = store.Journal.open(store_dir, "paired-benchmark")
@@ -226,7 +226,7 @@ def run_write_path(lens: list[int], batches: list[list[int]], hidden: int, dtype
     import torch
     from safetensors.torch import save
 
-    from draftlab import store
+    from draftlab.store import layout as store
     from draftlab.util import write_bytes_atomic
 
     pool = torch.randn(max(lens), 4, hidden).to(getattr(torch, dtype))  # made before the clock starts
@@ -254,9 +254,9 @@ def main() -> None:
     from datasets import load_from_disk
     from rich.console import Console
 
-    from draftlab import store
-    from draftlab.capture import plan_batches
     from draftlab.models import load_target
+    from draftlab.store import layout as store
+    from draftlab.store.capture import plan_batches
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -341,7 +341,7 @@ def main() -> None:
 def report(out, res: dict) -> None:
     from rich.table import Table
 
-    from draftlab.store import DTYPE_BYTES
+    from draftlab.store.layout import DTYPE_BYTES
 
     def row(name, s, fmt="{:,.0f}"):
         return name, fmt.format(s["median"]), f"{fmt.format(s['min'])} – {fmt.format(s['max'])}"

@@ -97,10 +97,10 @@ def sha256(path: Path) -> str:
 
 def acceptance(params, ctx, store_dir: Path, checkpoint: Path, prompts) -> dict:
     """Per val sample (simulated) and per prompt (measured) counts for one trained draft."""
-    from draftlab import specdec
     from draftlab.generation import stop_token_ids
-    from draftlab.stages import evaluate
     from draftlab.models import load_draft, resolve
+    from draftlab.serve import specdec
+    from draftlab.stages import evaluate
 
     target, tokenizer = ctx["target"], ctx["tokenizer"]
     draft = load_draft(checkpoint, resolve(params, ctx["target_dir"]))
@@ -147,10 +147,10 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from draftlab import store
+    from draftlab.models import load_target
     from draftlab.rundir import prepare_record
     from draftlab.stages import extract, prepare, target, train
-    from draftlab.models import load_target
+    from draftlab.store import layout as store
 
     torch.set_num_threads(1)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="draftlab-fp8-ab-"))
@@ -188,7 +188,7 @@ def main() -> None:
 
         from datasets import load_from_disk
 
-        from draftlab.specdec import held_out_prompts
+        from draftlab.serve.specdec import held_out_prompts
 
         ds = load_from_disk(str(data_dir))
         num_val = len(ds) - int(len(ds) * base.data.train_ratio)

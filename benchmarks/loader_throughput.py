@@ -70,8 +70,8 @@ def generate(root: Path, dtype: str, args) -> tuple[Path, Path, list[Path], dict
     from datasets import Dataset
     from safetensors.torch import save
 
-    from draftlab import store
-    from draftlab.capture import sample_tensors
+    from draftlab.store import layout as store
+    from draftlab.store.capture import sample_tensors
     from draftlab.util import write_bytes_atomic
 
     t, h = args.tokens_per_file, args.hidden_size
@@ -121,7 +121,7 @@ def dd(files: list[Path]) -> dict:
 def transfer(arm: str, dtype: str, store_dir: Path, records: dict):
     from hs_connectors import FileTransfer, FP8Transfer
 
-    from draftlab import compat
+    from draftlab.training import compat
 
     stock = FP8Transfer(store_dir) if dtype == "float8_e4m3fn" else FileTransfer(store_dir)
     return stock if arm == "speculators" else compat.VerifiedTransfer(stock, store_dir, records)

@@ -28,7 +28,7 @@ def make_store(root: Path, files: int, tokens: int, hidden: int) -> dict[int, di
     import torch
     from safetensors.torch import save
 
-    from draftlab import store
+    from draftlab.store import layout as store
 
     torch.manual_seed(0)
     records = {}
@@ -63,7 +63,7 @@ def main() -> None:
     import torch
     from hs_connectors import FileTransfer
 
-    from draftlab.compat import VerifiedTransfer
+    from draftlab.training.compat import VerifiedTransfer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

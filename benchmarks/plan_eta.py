@@ -1,5 +1,5 @@
 """How close are `draftlab plan`'s wall-clock and the training ETA to what `draftlab train` really
-takes? Both come from draftlab.costmodel (start-up + steps × s/step + epoch boundaries × s/epoch).
+takes? Both come from draftlab.plan.costmodel (start-up + steps × s/step + epoch boundaries × s/epoch).
 
 For each GPU count (`--gpus 1,2`), each repeat:
   C  a calibration: `draftlab train` on the profile with train.epochs 2, train.max_steps N (a
@@ -130,7 +130,7 @@ def eta_figures(env: dict, run: dict) -> dict:
     last step to the run's end, and the process exit."""
     import mlflow
 
-    from draftlab import telemetry
+    from draftlab.observe import telemetry
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
 

@@ -1,5 +1,5 @@
 """Does the telemetry sampler slow training? Tokens/s of a training-like loop with and without
-`draftlab.telemetry.TelemetrySampler` running, side by side in one process.
+`draftlab.observe.telemetry.TelemetrySampler` running, side by side in one process.
 
 The loop is a small pre-norm MLP block stack trained with AdamW on random [tokens, H] inputs
 (forward, backward, optimizer step, a little Python per step like a trainer's bookkeeping),
@@ -70,7 +70,7 @@ def run_block(model, opt, tokens: int, hidden: int, seconds: float) -> float:
 
 
 def main() -> None:
-    from draftlab.telemetry import TelemetrySampler
+    from draftlab.observe.telemetry import TelemetrySampler
     from draftlab.tracking import RecordingTracker
 
     args = parse_args()

@@ -1,8 +1,8 @@
 """What does the `draftlab train` harness cost, and how good is its ETA? The full stage against
 speculators' bare trainer on the same data and the same speculators argv, side by side.
 
-  bare   speculators' trainer in one process, patched for the device by `draftlab.compat` and
-         nothing else: what `python -m draftlab.train_rank <argv>` runs without DRAFTLAB_RUN_DIR
+  bare   speculators' trainer in one process, patched for the device by `draftlab.training.compat` and
+         nothing else: what `python -m draftlab.training.rank <argv>` runs without DRAFTLAB_RUN_DIR
          and MLFLOW_RUN_ID (no sampler records, no MLflow, no telemetry, no torchrun), with one
          line-per-step profile recorder attached so that it can be measured at all;
   full   `draftlab train --params <tmp>/params.yaml --target … --data … --store … --out <tmp>`:
@@ -13,7 +13,7 @@ speculators' bare trainer on the same data and the same speculators argv, side b
          process group and speculators' DDP wrapper): how much of full − bare is torchrun's, not
          draftlab's (`--no-torchrun-arm` skips it).
 
-Both build their argv with `draftlab.stages.train.speculators_argv` from one params file (the
+Both build their argv with `draftlab.training.job.speculators_argv` from one params file (the
 script checks they differ only in paths). Both are measured by the same instrument: the
 `profile` dict speculators logs for every step (tokens = its real-token count, step_ms from
 the start of the fetch to the end of the optimizer step; the previous step's metric logging
@@ -42,7 +42,7 @@ error = (ETA − actual remaining) / actual remaining. Goal: |error| ≤ 5 %. Pr
 tell the causes apart: the remaining time the steps themselves took (Σ step_ms) and the rest
 (validation, checkpoints), and the ETA a plain mean of the steps so far would have given.
 
-Harness CPU: the full run's own CPU seconds per step (draftlab.run_timing.harness_cpu: the
+Harness CPU: the full run's own CPU seconds per step (draftlab.plan.run_timing.harness_cpu: the
 launcher process while the ranks run, rank 0's step recorder, metric handler and tracking
 thread), which unlike the ratios holds under load.
 
@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class ProfileLines(logging.Handler):
-    """The bare run's instrument: the same fields as draftlab.telemetry.StepProfileRecorder.
+    """The bare run's instrument: the same fields as draftlab.observe.telemetry.StepProfileRecorder.
     The file opens on the first record: speculators' logging dictConfig closes every handler
     that exists before it runs."""
 
@@ -125,7 +125,7 @@ class ProfileLines(logging.Handler):
 
 def bare_rank(profile_path: str, argv: list[str]) -> None:
     """train_rank.main without DRAFTLAB_RUN_DIR: compat.run_trainer, no draftlab observers."""
-    from draftlab.compat import run_trainer
+    from draftlab.training.compat import run_trainer
 
     run_trainer(argv, metric_handlers=[ProfileLines(Path(profile_path))])
 
@@ -146,9 +146,9 @@ def write_params(args, dest: Path):
 
 def bare_argv(params, args, work: Path) -> tuple[list[str], int]:
     """The argv `draftlab train` would hand the ranks, for a run folder to be filled in later."""
-    from draftlab import store
-    from draftlab.stages import train
     from draftlab.models import resolve
+    from draftlab.store import layout as store
+    from draftlab.training import job as train
 
     a, _ = train.plan(params, args.data)
     maps = work / "vocab"
@@ -232,7 +232,7 @@ def finish_full(started: Started, out: Path) -> dict:
     from draftlab.rundir import RunDir
 
     rank_argv = RunDir(out).command.read().cmd
-    rank_argv = rank_argv[rank_argv.index("draftlab.train_rank") + 1:]
+    rank_argv = rank_argv[rank_argv.index("draftlab.training.rank") + 1:]
     return {**times, "records": read_profile(out / "profile" / "rank0.jsonl"),
             "argv": rank_argv, "run_id": RunDir(out).run.read().run_id,
             "harness_cpu": RunDir(out).train.read().harness_cpu}

@@ -2,7 +2,7 @@
 # Prove a GPU host in one command, in at most 6 minutes: the tiny pipeline end to end on the GPU,
 # nccl training on 1 rank (and DDP/FSDP2 on 2 where 2 GPUs are visible), GPU-vs-CPU extraction,
 # vLLM serving where vllm is importable. Prints a pass/fail table and writes it as JSON after
-# every step (see src/draftlab/gpu_check.py).
+# every step (see src/draftlab/gpucheck/check.py).
 #
 #   scripts/gpu-check.sh [--out reports/gpu-check.json] [--wheels DIR]
 #
@@ -31,4 +31,4 @@ if [ -n "$WHEELS" ]; then
     || echo "gpu-check: installing the wheels of $WHEELS failed; checking with what is installed" >&2
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 DVC_NO_ANALYTICS=1
-exec timeout -k 10 360 "$PY" -m draftlab.gpu_check --out "$OUT"
+exec timeout -k 10 360 "$PY" -m draftlab.gpucheck.check --out "$OUT"

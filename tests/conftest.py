@@ -155,12 +155,12 @@ def descendants(root: int | None = None) -> dict[int, str]:
 
 
 def train_ranks_of(run_dir: Path) -> list[int]:
-    """Live `draftlab.train_rank` processes (anywhere) that train into `run_dir` (their
+    """Live `draftlab.training.rank` processes (anywhere) that train into `run_dir` (their
     DRAFTLAB_RUN_DIR, relative to their working directory)."""
     found, want = [], Path(run_dir).resolve()
     for env in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if b"draftlab.train_rank" not in (env.parent / "cmdline").read_bytes():
+            if b"draftlab.training.rank" not in (env.parent / "cmdline").read_bytes():
                 continue
             dirs = [v[len(b"DRAFTLAB_RUN_DIR="):].decode() for v in env.read_bytes().split(b"\0")
                     if v.startswith(b"DRAFTLAB_RUN_DIR=")]

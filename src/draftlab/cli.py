@@ -95,7 +95,7 @@ def extract(
 ) -> None:
     """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
     p = _load(params)
-    from draftlab import dvc_track
+    from draftlab.store import dvc_track
 
     if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
         _fail(problem)
@@ -190,9 +190,9 @@ def plan(
     """Predict store size, extraction hours, steps, wall-clock and GPU-hours before anything runs (writes nothing)."""
     import json
 
-    from draftlab import planning
     from draftlab.console import console
     from draftlab.params import load_params
+    from draftlab.plan import planning
 
     p = load_params(params, check_paths=False)  # a profile whose data is not there yet can be planned from counts
     try:
@@ -249,8 +249,8 @@ def verify(
                                                      "changed since extraction wrote them.")] = None,
 ) -> None:
     """Name every missing, truncated or corrupt file of a hidden-state store."""
-    from draftlab import store as st
     from draftlab.console import console
+    from draftlab.store import layout as st
 
     if report is not None:
         from draftlab.util import write_json_atomic
@@ -304,8 +304,8 @@ def dvc_track_cmd(
     dvc_yaml: Annotated[Path, typer.Option("--dvc-yaml", help="The pipeline file to keep in step.")] = Path("dvc.yaml"),
 ) -> None:
     """Choose what DVC versions of the hidden-state store: sets extract.dvc_track and dvc.yaml's extract outputs."""
-    from draftlab import dvc_track
     from draftlab.console import console
+    from draftlab.store import dvc_track
 
     if mode not in dvc_track.MODES:
         _fail(f"dvc-track: {mode!r} is not one of {', '.join(dvc_track.MODES)}")

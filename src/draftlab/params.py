@@ -219,7 +219,7 @@ class Train(Section):
     max_steps: PositiveInt | None = Field(
         None, description="Stop after this many global steps (speculators --max-steps): a calibration run, "
         "timing only (tagged draftlab.calibration; evaluate says so, export refuses it). With epochs: 2 it "
-        "times one epoch boundary; each epoch after the limit still trains one step (draftlab.compat)."
+        "times one epoch boundary; each epoch after the limit still trains one step (draftlab.training.compat)."
     )
     lr: PositiveFloat = Field(
         3e-3, description="Base learning rate at `lr_base_gpus` data-parallel ranks (before scaling)."

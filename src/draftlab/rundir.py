@@ -204,10 +204,10 @@ EXTRACT = "run `draftlab extract` (or `dvc repro extract`)"
 
 
 class StoreDir(_Folder):
-    """A hidden-state store folder (see draftlab.store for its layout)."""
+    """A hidden-state store folder (see draftlab.store.layout for its layout)."""
 
     manifest = _file("manifest.json", Manifest, f"{EXTRACT}: it rewrites the manifest")
-    journal_path = _path(".journal.jsonl", "extraction's resume record (draftlab.store.Journal)")
+    journal_path = _path(".journal.jsonl", "extraction's resume record (draftlab.store.layout.Journal)")
 
 
 # ---------------------------------------------------------------- a training run folder
@@ -251,7 +251,7 @@ class EpochRecord(Record):
 
 
 class AccountingRecord(Record):
-    """draftlab.accounting.Accounting.to_json(): the plan and its MLflow params."""
+    """draftlab.plan.accounting.Accounting.to_json(): the plan and its MLflow params."""
 
     world_size: int
     train_samples: int

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-import draftlab.store as _store
+import draftlab.store.layout as _store
 
 _stock, _seen = _store.Journal.record, []
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import store
 from draftlab.rundir import RunDir
-
+from draftlab.store import layout as store
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {  # the session's tiny sizes (tests/conftest.py), one short epoch of training

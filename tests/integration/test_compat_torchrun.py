@@ -1,4 +1,4 @@
-"""speculators' own trainer, patched by draftlab.compat, trains a tiny EAGLE-3 draft on CPU.
+"""speculators' own trainer, patched by draftlab.training.compat, trains a tiny EAGLE-3 draft on CPU.
 
 One rank in a plain process, then two gloo ranks under torchrun (DDP, and FSDP2 with
 ``--fsdp-shard``), each for 2 epochs on a 33-sample synthetic dataset. About a minute
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
 NUM_SAMPLES = 33  # odd, so two ranks cannot split it evenly
@@ -158,7 +157,7 @@ def workspace(tmp_path_factory) -> Workspace:
 ONE_RANK_DRIVER = textwrap.dedent(
     """
     import json, logging, sys
-    from draftlab.compat import run_trainer
+    from draftlab.training.compat import run_trainer
     from speculators.train.logger import _flatten_dict
 
     out = open(sys.argv[1], "w")
@@ -193,9 +192,9 @@ def test_one_rank_trains_with_extra_metric_handler(workspace, tmp_path):
 
 
 def test_max_steps_trains_one_more_step_per_later_epoch_as_pinned(workspace, tmp_path):
-    """The quirk `draftlab.compat.steps_under_max_steps` pins: each epoch after the limit
+    """The quirk `draftlab.training.compat.steps_under_max_steps` pins: each epoch after the limit
     trains one step and validates. Fails when speculators changes it."""
-    from draftlab.compat import steps_under_max_steps
+    from draftlab.training.compat import steps_under_max_steps
 
     metrics_path = tmp_path / "metrics.jsonl"
     save_path = tmp_path / "checkpoints"
@@ -220,7 +219,7 @@ def test_two_gloo_ranks_train_under_torchrun(workspace, tmp_path, sharding):
     # --standalone picks a free rendezvous port, so concurrent runs do not collide on 29500.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc-per-node", "2"]
-    run([*torchrun, "-m", "draftlab.train_rank", *argv], tmp_path)
+    run([*torchrun, "-m", "draftlab.training.rank", *argv], tmp_path)
 
     expected_two = expected_steps_per_epoch(workspace, world_size=2)
     assert sum(expected_two) < sum(expected_steps_per_epoch(workspace, world_size=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import store
+from draftlab.store import layout as store
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -36,8 +36,8 @@ def _dvc_outs(root: Path) -> list:
 
 
 def test_the_default_tracks_every_file_of_the_store(repo):
-    from draftlab import dvc_track
     from draftlab.params import load_params
+    from draftlab.store import dvc_track
 
     assert load_params(repo / "params.yaml").extract.dvc_track == "files"
     assert dvc_track.declared(repo / "dvc.yaml") == "files"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from draftlab import store
+from draftlab.store import layout as store
 from tests.integration.pause import paused_after, wait_paused
 
 
@@ -48,7 +48,7 @@ def test_kill_9_of_the_launcher_stops_its_ranks_and_resumes(built, tmp_path):
     env, paused = paused_after(tmp_path, 2)  # the launcher stops after journaling 2 batches of many
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     wait_paused(proc, paused)
-    ranks = [pid for pid, cmdline in descendants(proc.pid).items() if "draftlab.extract_ranks" in cmdline]
+    ranks = [pid for pid, cmdline in descendants(proc.pid).items() if "draftlab.store.extract_ranks" in cmdline]
     assert len(ranks) == 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from draftlab import store
 from draftlab.rundir import StoreDir
+from draftlab.store import layout as store
 from tests.integration.pause import paused_after, wait_paused
 
 RAW = {

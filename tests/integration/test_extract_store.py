@@ -2,8 +2,8 @@
 
 import torch
 
-from draftlab import store
 from draftlab.models import LayerCapture
+from draftlab.store import layout as store
 
 
 def test_capture_matches_hf_hidden_states_and_final_is_pre_norm(built):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftlab import gpu_check
+from draftlab.gpucheck import check as gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 

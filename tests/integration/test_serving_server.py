@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import serving
 from draftlab.errors import HostError
-
+from draftlab.serve import serving
 
 FAKE_VLLM = textwrap.dedent('''
     """A stand-in for `vllm serve`: /health after a delay, /v1/completions, /metrics counters;

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from draftlab import compat, store
+from draftlab.store import layout as store
+from draftlab.training import compat
 
 
 def _records(store_dir):

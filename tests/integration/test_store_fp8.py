@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from draftlab import store
 from draftlab.rundir import StoreDir
+from draftlab.store import layout as store
 from tests.conftest import tiny_params
 
 
@@ -101,7 +101,7 @@ def test_verify_names_a_file_of_another_dtype(fp8_store, tmp_path):
 def test_verified_fp8_reads_equal_speculators_fp8_transfer(fp8_store):
     from hs_connectors import FP8Transfer
 
-    from draftlab import compat
+    from draftlab.training import compat
 
     _, _, fp8_dir = fp8_store
     records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}
@@ -120,7 +120,7 @@ def test_verified_transfer_reaches_spawned_loader_workers(fp8_store):
 
     from hs_connectors import FP8Transfer
 
-    from draftlab import compat
+    from draftlab.training import compat
 
     _, _, fp8_dir = fp8_store
     records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}

@@ -4,7 +4,7 @@ published output before a re-run (it is not `persist`) costs nothing and re-extr
 import os
 import shutil
 
-from draftlab import store
+from draftlab.store import layout as store
 from tests.conftest import tiny_params
 
 

@@ -5,7 +5,6 @@ kill -9 of the sweep mid-trial, then the same command again."""
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import signal
@@ -67,7 +66,7 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     from tests.conftest import descendants, train_ranks_of
 
     _wait(lambda: train_ranks_of(victim / "train"), 120, "the victim's ranks")
-    tree = [first.pid] + sorted(pid for pid, cmd in descendants(first.pid).items() if "draftlab.train_rank" not in cmd)
+    tree = [first.pid] + sorted(pid for pid, cmd in descendants(first.pid).items() if "draftlab.training.rank" not in cmd)
     for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)

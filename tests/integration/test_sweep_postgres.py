@@ -10,7 +10,6 @@ assertion depends on how fast anything runs."""
 from __future__ import annotations
 
 import functools
-
 import os
 import signal
 import subprocess
@@ -197,7 +196,7 @@ def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_
     import optuna
     import requests
 
-    from draftlab.costmodel import Point
+    from draftlab.plan.costmodel import Point
     from draftlab.sweep import calibration
 
     params, target_dir, data_dir, store_dir = built

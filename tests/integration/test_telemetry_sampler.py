@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from draftlab import telemetry as tm
+from draftlab.observe import telemetry as tm
 from tests.conftest import RecordingTracker
 
 

@@ -43,7 +43,7 @@ def _run(params, built, out_dir):
 
 
 def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tmp_path, mlflow_store):
-    from draftlab.stages.train import plan
+    from draftlab.training.job import plan
 
     params = _train_params(built, gpus=2)
     a, _ = plan(params, built[2])
@@ -79,7 +79,7 @@ def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tm
 
 
 def test_accounting_mismatch_is_reported():
-    from draftlab import accounting as acc
+    from draftlab.plan import accounting as acc
 
     plan = acc.plan_epochs([50, 60, 70, 80, 90], total_seq_len=128, world_size=2, epochs=1, seed=0)
     ids = [[i for b in acc.rank_batches([50, 60, 70, 80, 90], total_seq_len=128, world_size=2, rank=r,
@@ -102,7 +102,7 @@ def test_same_seed_one_rank_gives_identical_metrics(built, tmp_path, mlflow_stor
 
 
 def test_nan_loss_stops_the_run_with_a_clear_message(built, tmp_path, mlflow_store):
-    from draftlab.stages.train import TrainingFailed
+    from draftlab.training.job import TrainingFailed
 
     params = _train_params(built, epochs=1, lr=1e30, scheduler="none")
     with pytest.raises(TrainingFailed, match=r"train/loss is (nan|inf)"):
@@ -181,7 +181,7 @@ def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_s
     params = _train_params(built, epochs=1)
     _, target_dir, data_dir, store_dir = built
     result = _run(params, built, tmp_path / "run")
-    from draftlab import train_metrics
+    from draftlab.training import metrics as train_metrics
 
     curve = train_metrics.read(tmp_path / "run")
     # a folder trained before rank 0 wrote metrics.jsonl: the rerun resumes, trains nothing more,
@@ -213,10 +213,11 @@ def test_evaluate_and_export_log_into_the_training_run(built, tmp_path, mlflow_s
 
 
 def test_step_limited_calibration_is_accounted_timed_marked_and_refused_by_export(built, tmp_path, mlflow_store):
-    """epochs 2 + max_steps N: N steps, one epoch boundary, 1 step (draftlab.compat's pin), checked
+    """epochs 2 + max_steps N: N steps, one epoch boundary, 1 step (draftlab.training.compat's pin), checked
     by the accounting; its timing/* metrics are a cost-model point `plan` and the sweep read back."""
-    from draftlab import costmodel, plan_inputs
     from draftlab.params import ParamsError
+    from draftlab.plan import costmodel
+    from draftlab.plan import inputs as plan_inputs
     from draftlab.stages import export
 
     params = _train_params(built, epochs=2, max_steps=4)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import devices, vllm_extract
+from draftlab import devices
 from draftlab.params import ParamsError
-from draftlab.serving import ServingError
+from draftlab.serve.serving import ServingError
+from draftlab.store import vllm_extract
 
 # argv → argv.json; a child like vLLM's engine core; /health after a moment
 FAKE_VLLM = textwrap.dedent('''
@@ -101,7 +102,7 @@ def test_fp8_stores_use_hs_connectors_fp8_connector(tmp_path):
 
 
 def test_lifecycle_health_then_generation_then_the_whole_group_stops(fake_vllm, tmp_path):
-    from draftlab.serving import http_text
+    from draftlab.serve.serving import http_text
 
     seen = {}
 

@@ -1,5 +1,5 @@
-"""draftlab.bottleneck: the classifier on synthetic windows (every label), windows built from
-per-rank step records (draftlab.telemetry's recorder), and the FLOPs arithmetic."""
+"""draftlab.observe.bottleneck: the classifier on synthetic windows (every label), windows built from
+per-rank step records (draftlab.observe.telemetry's recorder), and the FLOPs arithmetic."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from draftlab import bottleneck as bn
-from draftlab import telemetry as tm
+from draftlab.observe import bottleneck as bn
+from draftlab.observe import telemetry as tm
 from tests.conftest import RecordingTracker
 
 # One window per label, with the figures an operator would see.

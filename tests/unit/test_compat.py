@@ -1,4 +1,4 @@
-"""draftlab.compat: the pin, and the speculators symbols its patches rely on.
+"""draftlab.training.compat: the pin, and the speculators symbols its patches rely on.
 
 These fail loudly when a speculators upgrade moves what the patches replace; the
 end-to-end proof is tests/integration/test_compat_torchrun.py.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import compat
+from draftlab.training import compat
 
 
 @pytest.fixture
@@ -216,7 +216,7 @@ def test_explicit_scheduler_total_steps_overrides_max_steps():
 
 
 def test_steps_under_max_steps_follows_the_trainer_loop():
-    from draftlab.compat import steps_under_max_steps
+    from draftlab.training.compat import steps_under_max_steps
 
     assert steps_under_max_steps([10, 10], None) == [10, 10]
     assert steps_under_max_steps([10, 10], 4) == [4, 1]
@@ -295,7 +295,8 @@ def test_the_launcher_loads_speculators_sampler_and_vocab_mapping_without_the_pa
     import ast
 
     import torch
-    from speculators.train import distributed_batch_sampler as sampler_mod, vocab_mapping
+    from speculators.train import distributed_batch_sampler as sampler_mod
+    from speculators.train import vocab_mapping
 
     for mod in (sampler_mod, vocab_mapping):
         tree = ast.parse(Path(mod.__file__).read_text())

@@ -1,10 +1,10 @@
-"""draftlab.costmodel: the one wall-clock model (plan, ETA, sweep) and its one MLflow lookup."""
+"""draftlab.plan.costmodel: the one wall-clock model (plan, ETA, sweep) and its one MLflow lookup."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftlab import costmodel as cm
+from draftlab.plan import costmodel as cm
 from tests.conftest import tiny_params
 
 BASE = tiny_params()

@@ -23,7 +23,7 @@ def test_cuda_without_a_gpu_is_one_line(monkeypatch, key):
 
 
 def test_more_processes_than_gpus(monkeypatch, tmp_path):
-    from draftlab.extract_ranks import plan_placement
+    from draftlab.store.extract_ranks import plan_placement
     from tests.conftest import tiny_params
 
     (tmp_path / "config.json").write_text("{}")
@@ -39,8 +39,8 @@ def test_more_processes_than_gpus(monkeypatch, tmp_path):
 
 
 def test_a_gpu_store_has_another_key_and_a_cpu_key_is_unchanged():
-    from draftlab import store
     from draftlab.stages.extract import with_compute
+    from draftlab.store import layout as store
 
     fields = {"target": {"hub_id": "t"}, "layer_ids": [2, 4, 5], "dtype": "bfloat16", "dataset": "d"}
     assert with_compute(fields, devices.on("cpu", "float32")) == fields

@@ -10,13 +10,13 @@ from typer.testing import CliRunner
 
 from draftlab.cli import app
 from draftlab.errors import HostError, MissingInput, RunFileError, UserError
-from draftlab.extract_ranks import ExtractFailed
 from draftlab.params import ParamsError
-from draftlab.serving import ServingError
+from draftlab.serve.serving import ServingError
 from draftlab.stages.prepare import RecordError
-from draftlab.launch import exclusive
-from draftlab.stages.train import TrainingFailed
+from draftlab.store.extract_ranks import ExtractFailed
 from draftlab.sweep.space import SpaceError
+from draftlab.training.job import TrainingFailed
+from draftlab.training.launch import exclusive
 
 
 @pytest.fixture

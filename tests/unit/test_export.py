@@ -13,9 +13,9 @@ import shlex
 import pytest
 import torch
 
+from draftlab.models import check_against_target
 from draftlab.params import ParamsError
 from draftlab.rundir import Manifest, RunDir, StoreDir, TargetInfo, TrainRecord
-from draftlab.models import check_against_target
 from draftlab.stages import export
 from tests.conftest import tiny_params
 
@@ -114,7 +114,7 @@ def _reload(out_dir, verifier_dir):
 
 def _predictions(draft):
     """Step-0 logits of 12 entries, then a greedy 3-token chain, as speculative decoding drafts."""
-    from draftlab.specdec import Eagle3Proposer
+    from draftlab.serve.specdec import Eagle3Proposer
 
     g = torch.Generator().manual_seed(1)
     aux_T3H = torch.randn(12, 3 * 32, generator=g)

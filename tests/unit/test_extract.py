@@ -2,9 +2,8 @@
 
 import pytest
 
-from draftlab.capture import plan_batches
-
-from draftlab.vllm_extract import vllm_command
+from draftlab.store.capture import plan_batches
+from draftlab.store.vllm_extract import vllm_command
 from tests.conftest import tiny_params
 
 

@@ -25,7 +25,7 @@ def test_node_params_are_refused_with_the_key(train, message):
 
 
 def test_node_0_hosts_the_rendezvous_and_the_others_connect():
-    from draftlab import launch
+    from draftlab.training import launch
 
     def conf(cmd):
         return cmd[cmd.index("--rdzv-conf") + 1]
@@ -35,8 +35,8 @@ def test_node_0_hosts_the_rendezvous_and_the_others_connect():
 
 
 def test_a_node_rank_or_rendezvous_address_does_not_change_what_a_folder_resumes(tmp_path, monkeypatch):
-    from draftlab import capture
-    from draftlab.stages import train
+    from draftlab.store import capture
+    from draftlab.training import job as train
 
     monkeypatch.setattr(capture, "dataset_fingerprint", lambda path: "the dataset")
     data_dir = tmp_path
@@ -56,7 +56,7 @@ def test_each_node_has_its_own_lock_launch_and_pid_folders(tmp_path):
 
 
 def test_node_1_can_hold_its_lock_while_node_0_takes_its_own(tmp_path):
-    from draftlab.launch import exclusive
+    from draftlab.training.launch import exclusive
 
     with exclusive(tmp_path, 1), exclusive(tmp_path, 0):
         with pytest.raises(Exception, match="another `draftlab train`"):

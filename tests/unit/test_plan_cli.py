@@ -11,9 +11,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from draftlab import planning as pl
-from draftlab import plan_steps
 from draftlab.cli import app
+from draftlab.plan import planning as pl
+from draftlab.plan import steps as plan_steps
 
 REPO = Path(__file__).resolve().parents[2]
 KIMI_COUNTS = ["--samples", "37312", "--tokens", "87800000"]

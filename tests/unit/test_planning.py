@@ -1,4 +1,4 @@
-"""draftlab.planning: store bytes, packed steps from the trainer's own sampler, wall-clock per GPU
+"""draftlab.plan.planning: store bytes, packed steps from the trainer's own sampler, wall-clock per GPU
 count, warnings, and the Kimi-K2.5 reference scenario pinned."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from draftlab import planning as pl
-from draftlab import plan_steps
+from draftlab.plan import planning as pl
+from draftlab.plan import steps as plan_steps
 
 KIMI = dict(num_samples=37_312, num_tokens=87_800_000, hidden_size=7168, dtype="bfloat16", train_ratio=0.95,
             total_seq_len=4096, epochs=5, world_size=4, seed=0, lr_scaling="none", lr_base_gpus=1,
@@ -77,7 +77,7 @@ def test_a_sound_plan_has_no_warnings(kimi_plan):
 
 
 def test_nearest_point_and_stated_throughput():
-    from draftlab import costmodel as cm
+    from draftlab.plan import costmodel as cm
 
     four = cm.stated_point(4, 13_200.0, tokens_per_step=2_640.0)
     one = cm.Point(1, 30.0, 0.5, 4.0, 3_000.0, 20, 2, 44.0, source="mlflow run abc")
@@ -114,14 +114,14 @@ def test_synthesised_lengths_keep_the_stated_counts():
 
 
 def test_rank0_step_count_is_the_accounting_count():
-    """The counts shortcut (rank 0, standalone sampler file) agrees with draftlab.accounting,
+    """The counts shortcut (rank 0, standalone sampler file) agrees with draftlab.plan.accounting,
     which builds every rank's sampler through the speculators package."""
     import numpy as np
 
-    from draftlab import accounting as acc
+    from draftlab.plan import accounting as acc
 
     lengths = [int(x) for x in np.random.default_rng(1).integers(20, 700, 300)]
-    from draftlab import compat
+    from draftlab.training import compat
 
     standalone = compat._standalone_sampler_module().MultipackDistributedBatchSamplerV2
     for w in (1, 2, 4):
@@ -139,7 +139,7 @@ def test_plan_from_dataset_lengths_is_exact_and_warns_on_truncation():
     lengths = [100] * 50 + [1500] * 10  # 60 rows, train split 54: 4 of its rows are longer than 1024
     s = pl.Scenario(num_samples=60, num_tokens=sum(lengths), hidden_size=64, train_ratio=0.9, total_seq_len=1024,
                     epochs=2, world_size=2, lr_scaling="linear", num_workers=2, prefetch_factor=2)
-    from draftlab.costmodel import Point
+    from draftlab.plan.costmodel import Point
 
     cal = Point(1, fixed_s=30.0, step_s=0.5, epoch_s=4.0, tokens_per_s=1000.0, steps=21, epochs=2, wall_s=44.5,
                 source="calibration trial 0", measured_at=1_000.0)

@@ -1,4 +1,4 @@
-"""draftlab.run_timing.Eta: time left = steps left × s/step + epoch boundaries left × s/epoch,
+"""draftlab.plan.run_timing.Eta: time left = steps left × s/step + epoch boundaries left × s/epoch,
 re-estimated as the rate changes, with a 10–90 % range."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from draftlab.plan.run_timing import Eta
 from draftlab.rundir import RankPlan
-from draftlab.run_timing import Eta
 
 PLAN = RankPlan(total_steps=30, epoch_steps=[10, 10, 10], val_steps=6)
 

@@ -7,9 +7,28 @@ import pytest
 from pydantic import ValidationError
 
 from draftlab.errors import RunFileError, UserError
-from draftlab.rundir import (AccountingCheck, Command, ExportRecord, Failure, Launch, Manifest, PrepareRecord, RankDone,
-                             RankPlan, RunDir, RunState, StoreDir, TargetInfo, Timing, TrainRecord, TrialDir, TrialInfo,
-                             TrialResult, export_record, prepare_record)
+from draftlab.rundir import (
+    AccountingCheck,
+    Command,
+    ExportRecord,
+    Failure,
+    Launch,
+    Manifest,
+    PrepareRecord,
+    RankDone,
+    RankPlan,
+    RunDir,
+    RunState,
+    StoreDir,
+    TargetInfo,
+    Timing,
+    TrainRecord,
+    TrialDir,
+    TrialInfo,
+    TrialResult,
+    export_record,
+    prepare_record,
+)
 
 TRAIN = TrainRecord(run_id="r1", checkpoint="/runs/train/checkpoints/2", total_steps=12, world_size=2,
                     wall_clock_s=3.5, tokens_per_s=100.0, accounting="verified", bottleneck="compute-bound",
@@ -125,8 +144,9 @@ def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from draftlab import store
-    from draftlab.stages import extract, train
+    from draftlab.stages import extract
+    from draftlab.store import layout as store
+    from draftlab.training import job
     from tests.conftest import tiny_params
 
     params = tiny_params(extract={"backend": "vllm", "vllm_url": "http://127.0.0.1:1", "layer_ids": None})
@@ -144,7 +164,7 @@ def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_
     written = store.read_manifest(store_dir)
     assert result.num_files == 2 and written.num_tokens == 5
     assert written.layer_ids == [2, 4, 5] and written.target.num_layers == 8
-    assert train.check_layer_ids(params, written, store_dir) == [2, 4, 5]
+    assert job.check_layer_ids(params, written, store_dir) == [2, 4, 5]
     assert store.verify(store_dir) == []
 
 

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from draftlab import serving
 from draftlab.params import ParamsError
+from draftlab.serve import serving
 
 
 def _flag(argv, name):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from draftlab.specdec import AcceptanceStats, Eagle3Proposer, GenerationResult, plain_greedy, speculative_generate
+from draftlab.serve.specdec import AcceptanceStats, Eagle3Proposer, GenerationResult, plain_greedy, speculative_generate
 from tests.conftest import tiny_params
 
 LAYER_IDS = [2, 4, 5]  # the tiny target's default aux layers (8 layers)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab import compat
 from draftlab.params import ParamsError
 from draftlab.stages.extract import resolve_layer_ids
+from draftlab.training import compat
 
 
 def test_a_worker_reraised_error_keeps_its_one_line():

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftlab import planning, store
 from draftlab.params import ParamsError
+from draftlab.plan import planning
+from draftlab.store import layout as store
 from tests.conftest import tiny_params
 
 
 def test_unknown_dtype_and_missing_fp8_are_one_line_errors(monkeypatch):
-    from draftlab.capture import check_dtype
+    from draftlab.store.capture import check_dtype
 
     with pytest.raises(ParamsError, match="extract.dtype"):
         tiny_params(extract={"dtype": "float8"})
@@ -27,7 +28,7 @@ def test_unknown_dtype_and_missing_fp8_are_one_line_errors(monkeypatch):
 def test_train_reads_an_fp8_store_with_speculators_fp8_backend(tmp_path):
     from hs_connectors import HiddenStatesBackend
 
-    from draftlab.stages.train import speculators_argv
+    from draftlab.training.job import speculators_argv
 
     params = tiny_params()
     kw = dict(verifier="v", data_dir=tmp_path, store_dir=tmp_path, out_dir=tmp_path, layer_ids=[2, 4, 5],
@@ -66,7 +67,7 @@ def test_journal_append_never_writes_through_a_dvc_cache_link(tmp_path):
 def test_draftlab_dequantize_is_hs_connectors_bit_for_bit(monkeypatch):
     from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
-    from draftlab import compat
+    from draftlab.training import compat
 
     # every fp8 byte (NaNs, subnormals, ±0, ±448) at per-token scales from tiny to huge, with more
     # tokens than one lookup chunk

@@ -4,17 +4,28 @@ device packing, resume after a dead worker, and two workers sharing one budget."
 
 from __future__ import annotations
 
-
 import pytest
 
-from draftlab.compat import steps_under_max_steps
-from draftlab.costmodel import CostModel, Point
+from draftlab.plan.costmodel import CostModel, Point
 from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, steps_from_lengths, union_s
 from draftlab.sweep.propose import rejected
 from draftlab.sweep.report import pareto_front, trial_rows
 from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
-from tests.sweep_sim import (BASE, GRACE, POLL, FakeClock, SimLauncher, dead_pid, make_spec, make_worker,
-                             run_side_by_side, run_to_end, sim_duration, sim_steps)
+from draftlab.training.compat import steps_under_max_steps
+from tests.sweep_sim import (
+    BASE,
+    GRACE,
+    POLL,
+    FakeClock,
+    SimLauncher,
+    dead_pid,
+    make_spec,
+    make_worker,
+    run_side_by_side,
+    run_to_end,
+    sim_duration,
+    sim_steps,
+)
 
 
 def statuses(study):
@@ -81,7 +92,7 @@ def test_union_counts_overlapping_worker_spans_once():
 
 
 def test_prediction_uses_the_packing_sampler_and_the_calibrated_costs():
-    from draftlab import plan_steps
+    from draftlab.plan import steps as plan_steps
 
     lengths = [50 + (i * 37) % 400 for i in range(101)]
     steps = steps_from_lengths(lengths)

@@ -56,8 +56,8 @@ def _nice(native_id: int) -> int:
 def test_the_ranks_tracking_writer_yields_the_cpu_and_the_trainers_thread_keeps_its_priority():
     import threading
 
+    from draftlab.training.rank import _Background
     from tests.conftest import RecordingTracker
-    from draftlab.train_rank import _Background
 
     mine = _nice(threading.get_native_id())
     bg = _Background(RecordingTracker())

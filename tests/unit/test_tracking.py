@@ -34,7 +34,7 @@ def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_pat
     import mlflow
 
     from draftlab.tracking import MlflowTracker
-    from draftlab.train_rank import _Background
+    from draftlab.training.rank import _Background
 
     uri = store_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from draftlab import launch, procs
+from draftlab import procs
 from draftlab.params import ParamsError
 from draftlab.rundir import Launch, Manifest, RankPlan, RunDir, TargetInfo
-from draftlab.stages import train
-from draftlab.train_rank import MetricsToTracker
+from draftlab.training import job, launch
+from draftlab.training.rank import MetricsToTracker
 from tests.conftest import RecordingTracker, tiny_params
 
 
 def _argv(params, tmp_path, device="cpu"):
-    return train.speculators_argv(
+    return job.speculators_argv(
         params, verifier="v", data_dir=tmp_path / "data", store_dir=tmp_path / "hs", out_dir=tmp_path / "run",
         layer_ids=[2, 4, 5], total_steps=17, d2t=tmp_path / "d2t.npy", t2d=tmp_path / "t2d.npy", device=device)
 
@@ -55,20 +55,20 @@ def test_on_a_gpu_the_trainers_own_kernels_stay_and_no_cut_without_max_steps(tmp
 def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
     manifest = Manifest(key="k", target=TargetInfo(source="tiny", num_layers=8, hidden_size=32), layer_ids=[2, 4, 5],
                         num_files=0, num_tokens=0, total_bytes=0, files=[])
-    assert train.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
+    assert job.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
     same = tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
-    assert train.check_layer_ids(same, manifest) == [2, 4, 5]
+    assert job.check_layer_ids(same, manifest) == [2, 4, 5]
     other = tiny_params(train={"extra_args": ["--target-layer-ids", "1", "4", "5", "--seed", "3"]})
     with pytest.raises(ParamsError, match=r"^train.extra_args: --target-layer-ids \[1, 4, 5\] disagrees .*"
                                           r"\[2, 4, 5\] \(store/manifest.json\)"):
-        train.check_layer_ids(other, manifest, Path("store"))
+        job.check_layer_ids(other, manifest, Path("store"))
 
 
 def test_torchrun_is_standalone_on_one_node_and_rendezvous_across_nodes():
     one = launch.torchrun_cmd(tiny_params(train={"gpus": 2}), ["--epochs", "1"])
-    assert one[:3] == [sys.executable, "-m", "draftlab.torchrun"]  # torch.distributed.run without the teardown
+    assert one[:3] == [sys.executable, "-m", "draftlab.training.torchrun"]  # torch.distributed.run without the teardown
     assert one[one.index("--nproc-per-node") + 1] == "2" and "--standalone" in one and "--rdzv-endpoint" not in one
-    assert one[-4:] == ["-m", "draftlab.train_rank", "--epochs", "1"]
+    assert one[-4:] == ["-m", "draftlab.training.rank", "--epochs", "1"]
     two = launch.torchrun_cmd(tiny_params(train={"gpus": 8, "nnodes": 2, "node_rank": 1,
                                                 "rdzv_endpoint": "head:29400"}), [])
     assert "--standalone" not in two
@@ -175,7 +175,7 @@ def test_a_live_launcher_is_left_alone(tmp_path):
 
 
 def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path):
-    from draftlab import train_metrics
+    from draftlab.training import metrics as train_metrics
 
     first = train_metrics.StepWriter(tmp_path)
     for step in range(4):
@@ -195,7 +195,7 @@ def test_the_run_folders_step_record_keeps_each_step_once_across_a_kill(tmp_path
 def test_a_folder_without_its_step_record_gets_the_mlflow_runs_steps_back(tmp_path, store_uri):
     import mlflow
 
-    from draftlab import train_metrics
+    from draftlab.training import metrics as train_metrics
 
     client = mlflow.MlflowClient(store_uri)
     run_id = client.create_run(client.create_experiment("draftlab")).info.run_id
@@ -218,7 +218,7 @@ def test_a_folder_without_its_step_record_gets_the_mlflow_runs_steps_back(tmp_pa
 
 
 def test_the_rank_writes_every_finite_step_to_the_run_folder(handler, tmp_path):
-    from draftlab import train_metrics
+    from draftlab.training import metrics as train_metrics
 
     h, _ = handler
     for step in range(6):

@@ -6,7 +6,7 @@ over the draft vocabulary, which overstates acceptance whenever the target's tok
 it: here such a token counts as a rejection). `eval/simulated_acc_len` = 1 + Σ_k full_acc_k,
 tokens per target forward with the bonus token, vLLM's convention for its mean acceptance length.
 
-Measured: real greedy speculative decoding of held-out prompts (`draftlab.specdec`), with
+Measured: real greedy speculative decoding of held-out prompts (`draftlab.serve.specdec`), with
 `eval/measured_acc_len` = 1 + accepted / drafts, acceptance per position, and target forward
 passes saved against plain greedy decoding. Both go to the training run in MLflow and to
 `reports/metrics.json` (DVC metrics), with per-step curves as DVC plots and PNG figures.
@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab import store, train_metrics
 from draftlab.params import Params
 from draftlab.rundir import RunDir
+from draftlab.store import layout as store
+from draftlab.training import metrics as train_metrics
 from draftlab.util import write_json_atomic
 
 
@@ -119,8 +120,8 @@ def draft_forward(draft, batch, steps: int, loss_implementation: str = "eager"):
 
 
 def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]], layer_ids: list[int]) -> dict:
-    from draftlab import specdec
     from draftlab.generation import stop_token_ids
+    from draftlab.serve import specdec
 
     k = params.evaluate.num_speculative_tokens or params.train.ttt_steps
     stops = stop_token_ids(tokenizer)
@@ -150,9 +151,9 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
     """vLLM serving benchmark of the exported draft (GPU hosts): speculative vs plain server."""
     import tempfile
 
-    from draftlab import serving
-    from draftlab.draft_export import export_draft
     from draftlab.models import resolve
+    from draftlab.serve import serving
+    from draftlab.serve.draft_export import export_draft
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".vllm-draft-", dir=out_dir) as scratch:
@@ -214,7 +215,7 @@ def _figures(train_dir: Path, metrics: dict, steps: int, out_dir: Path) -> list[
 
 def _plots(train_dir: Path, steps: int, metrics: dict, out_dir: Path) -> None:
     """CSV curves for `dvc plots show`: acceptance by position, and the train loss per TTT step
-    from the train stage's own per-step record (draftlab.train_metrics)."""
+    from the train stage's own per-step record (draftlab.training.metrics)."""
     import csv
 
     rows = [{"position": s, "predicted": metrics.get(f"eval/full_acc_{s}", 0.0),
@@ -238,7 +239,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
 
     started = time.perf_counter()
     if params.evaluate.backend == "vllm":
-        from draftlab.serving import require_gpu_and_vllm
+        from draftlab.serve.serving import require_gpu_and_vllm
 
         require_gpu_and_vllm()  # before anything loads: a CPU host fails at once
     from draftlab import devices
@@ -254,7 +255,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     draft = load_draft(Path(train.checkpoint), resolve(params, target_dir)).to(placement.device)
     with devices.autocast(placement):
         metrics = simulated(params, draft, target, data_dir, store_dir)
-    from draftlab.specdec import held_out_prompts
+    from draftlab.serve.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
     if params.evaluate.backend == "vllm":

@@ -1,4 +1,4 @@
-"""The `export` stage: the trained draft as a folder vLLM serves (draftlab.draft_export), logged
+"""The `export` stage: the trained draft as a folder vLLM serves (draftlab.serve.draft_export), logged
 into its training run.
 
     draftlab export --params params.yaml --train runs/train --out models/draft
@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.draft_export import export_draft
 from draftlab.params import Params
+from draftlab.serve.draft_export import export_draft
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ Resumable: batches are composed from sample lengths alone (index order, up to
 only once the journal says so — a kill -9 and a rerun give a byte-identical store.
 
 Placement (`extract.device`, `draftlab.devices`): CUDA when visible, under bf16 autocast; every
-visible GPU as a data-parallel rank (`draftlab.extract_ranks`), or one process spread over all of
+visible GPU as a data-parallel rank (`draftlab.store.extract_ranks`), or one process spread over all of
 them when the target does not fit one; the CPU path computes exactly as before.
 
 Where: the store is written and kept in `store.work_dir(out)` (not a DVC output: DVC removes
@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab import store
-from draftlab.capture import check_dtype, dataset_fingerprint, extract_batches, plan_batches, target_identity
 from draftlab.errors import HostError, MissingInput
 from draftlab.models import LayerCapture
 from draftlab.params import Params, ParamsError
 from draftlab.rundir import Manifest, StoreDir, TargetInfo
+from draftlab.store import layout as store
+from draftlab.store.capture import check_dtype, dataset_fingerprint, extract_batches, plan_batches, target_identity
 from draftlab.util import sha256_file
 
 
@@ -109,11 +109,11 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
 
     placement, processes, device_map = None, 1, None
     if params.extract.backend == "hf":
-        from draftlab.extract_ranks import plan_placement
+        from draftlab.store.extract_ranks import plan_placement
 
         placement, processes, device_map = plan_placement(params, target_dir)  # cuda asked, GPUs visible
     elif not params.extract.vllm_url:
-        from draftlab import vllm_extract
+        from draftlab.store import vllm_extract
 
         vllm_extract.preflight(params)  # a GPU and a vllm executable to start the server with
     if not (Path(data_dir) / "dataset_info.json").exists():
@@ -206,13 +206,14 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
         checked: Checked | None = None) -> ExtractResult:
     from datasets import load_from_disk
     from rich.progress import Progress, TextColumn
+
     from draftlab.console import console, progress_columns
     from draftlab.models import load_target
 
     check_dtype(params.extract.dtype)
     c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
     if params.extract.backend == "vllm":
-        from draftlab import vllm_extract
+        from draftlab.store import vllm_extract
 
         vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir)
         return _manifest_from_files(params, c, data_dir=data_dir, out_dir=out_dir)
@@ -233,7 +234,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     _check_disk(work, store.predicted_bytes([seq_lens[i] for b in todo for i in b], hidden, dtype),
                 params.extract.min_free_disk_frac)
 
-    from draftlab import telemetry
+    from draftlab.observe import telemetry
 
     placement, processes = c.placement, c.processes
     model = None
@@ -266,7 +267,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
             if processes == 1:
                 extract_batches(model, capture, ds, todo, work, dtype, placement, on_done, done, heal)
             elif todo:
-                from draftlab.extract_ranks import run_ranks
+                from draftlab.store.extract_ranks import run_ranks
 
                 run_ranks(params, processes=processes, placement=placement, target_dir=target_dir,
                           data_dir=data_dir, out_dir=work, layer_ids=layer_ids, batches=todo, on_done=on_done,

@@ -17,216 +17,26 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab import accounting as acc
-from draftlab import launch, run_timing, store
-from draftlab.errors import UserError
-from draftlab.params import Params, ParamsError, flatten
-from draftlab.rundir import (AccountingCheck, AccountingRecord, Command, Launch, Manifest, RankPlan, RunDir,
-                             RunState, TrainRecord)
-
-
-
-class TrainingFailed(UserError, RuntimeError):
-    """Training ran but did not finish correctly; the message says what differed."""
-
-    exit_code = 1
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    run_id: str
-    out_dir: Path
-    checkpoint: Path
-    total_steps: int
-    wall_clock_s: float
-
-
-def resolve_device(params: Params) -> str:
-    if params.train.device != "auto":
-        return params.train.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
-    """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
-    from draftlab.capture import dataset_fingerprint
-
-    # verify_reads changes what is checked, not what is trained, and the rendezvous's address and
-    # this node's rank where it runs: a run folder stays resumable across them
-    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint"}),
-              "data": params.data.model_dump(),
-              "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
-    return store.store_key(fields)
-
-
-def train_split(data_dir: Path, train_ratio: float) -> tuple[list[int], int]:
-    """Lengths of the train split (speculators' row-order split) and its loss-masked tokens."""
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(data_dir)).with_format(None)
-    n_train = int(len(ds) * train_ratio)
-    lengths = list(ds["seq_len"][:n_train])
-    loss_tokens = sum(sum(m) for m in ds.select(range(n_train))["loss_mask"])
-    return lengths, loss_tokens
-
-
-def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
-    """Exact accounting and the real tokens of every global step."""
-    lengths, loss_tokens = train_split(data_dir, params.data.train_ratio)
-    t = params.train
-    a = acc.plan_epochs(lengths, loss_tokens=loss_tokens, total_seq_len=t.total_seq_len,
-                        world_size=t.world_size(), epochs=t.epochs, seed=t.seed).limited(t.max_steps)
-    clipped = [min(n, t.total_seq_len) for n in lengths]
-    step_tokens: list[int] = []
-    for epoch in range(t.epochs):
-        per_rank = [acc.rank_batches(lengths, total_seq_len=t.total_seq_len, world_size=t.world_size(),
-                                     rank=r, seed=t.seed, epoch=epoch) for r in range(t.world_size())]
-        trained = a.trained_steps[epoch] if a.max_steps is not None else len(per_rank[0])
-        for s in range(trained):
-            step_tokens.append(sum(clipped[i] for r in per_rank for i in r[s]))
-    return a, step_tokens
-
-
-def check_seq_len(params: Params, data_dir: Path) -> None:
-    """A packing row shorter than a sample truncates it (speculators only warns): refused, with
-    how many train samples it would cut, before any folder is set aside or run started."""
-    lengths, _ = train_split(data_dir, params.data.train_ratio)
-    longest, n = max(lengths, default=0), params.train.total_seq_len
-    if n < longest:
-        cut = sum(1 for x in lengths if x > n)
-        raise ParamsError(
-            f"train.total_seq_len: {n} would truncate {cut} of {len(lengths)} train samples (the longest has "
-            f"{longest} tokens); set it to at least {longest}, or lower prepare.max_seq_len"
-        )
-
-
-def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = None):
-    from rich.table import Table
-
-    t = Table(title="step accounting (global optimizer steps)", show_header=False)
-    t.add_row("world size (data-parallel ranks)", f"{a.world_size} = {params.train.gpus} per node × {params.train.nnodes} node(s)")
-    t.add_row("train samples / tokens", f"{a.train_samples:,} / {a.train_tokens:,} ({a.train_loss_tokens:,} loss-masked)")
-    t.add_row("packing", f"batch_size 1 per rank = one row of ≤ {a.total_seq_len:,} tokens")
-    t.add_row("tokens per step (capacity)", f"{a.tokens_per_step:,} = {a.world_size} × {a.total_seq_len:,}")
-    t.add_row("steps per epoch", ", ".join(str(e.steps) for e in a.epochs))
-    t.add_row("total steps", f"{a.total_steps:,}" + ("" if a.max_steps is None else
-              f" (calibration: --max-steps {a.max_steps}; per epoch {', '.join(map(str, a.trained_steps))})"))
-    t.add_row("dropped samples per epoch", ", ".join(str(d) for d in a.dropped_samples))
-    t.add_row("lr", f"{params.train.resolved_lr():.3g} (base {params.train.lr:g} at {params.train.lr_base_gpus} rank(s), rule {params.train.lr_scaling})")
-    if eta_s is not None:
-        t.add_row("ETA", f"{eta_s / 3600:.2f} h")
-    return t
-
-
-def vocab_paths(params: Params, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
-    """Where vocab_mappings writes d2t/t2d (another node reads them from the shared folder)."""
-    from transformers import AutoConfig
-
-    from draftlab.models import resolve
-
-    size = min(params.train.draft_vocab_size, AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size)
-    return out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
-
-
-def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Path) -> tuple[Path, Path]:
-    """d2t/t2d written into the run folder (speculators would cache them in the dataset folder,
-    which is another stage's output)."""
-    import numpy as np
-    import torch
-    from transformers import AutoConfig
-
-    from draftlab import compat
-    from draftlab.models import resolve
-
-    build_vocab_mappings_from_distribution = compat.speculators_module(
-        "train.vocab_mapping").build_vocab_mappings_from_distribution
-
-    vocab = AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size
-    freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
-    size = min(params.train.draft_vocab_size, vocab)
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
-    d2t_path, t2d_path = vocab_paths(params, target_dir, out_dir)
-    np.save(d2t_path, d2t.cpu().numpy())
-    np.save(t2d_path, t2d.cpu().numpy())
-    return d2t_path, t2d_path
-
-
-def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir: Path, out_dir: Path,
-                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str,
-                     store_dtype: str = "bfloat16") -> list[str]:
-    t = params.train
-    argv = [
-        "--verifier-name-or-path", verifier,
-        "--data-path", str(data_dir),
-        "--hidden-states-path", str(store_dir),
-        "--hidden-states-backend", store.backend(store_dtype),
-        "--save-path", str(out_dir / "checkpoints"),
-        "--log-dir", str(out_dir / "logs"),
-        "--epochs", str(t.epochs),
-        "--lr", repr(t.resolved_lr()),
-        "--optimizer", t.optimizer,
-        "--scheduler-type", t.scheduler,
-        "--scheduler-warmup-steps", str(t.warmup_steps),
-        "--scheduler-total-steps", str(total_steps),
-        "--total-seq-len", str(t.total_seq_len),
-        "--num-workers", str(t.num_workers),
-        "--prefetch-factor", str(t.prefetch_factor),
-        "--ttt-steps", str(t.ttt_steps),
-        "--draft-vocab-size", str(t.draft_vocab_size),
-        "--num-layers", str(t.draft_layers),
-        "--seed", str(t.seed),
-        "--checkpoint-freq", repr(t.checkpoint_freq),
-        "--train-data-ratio", repr(params.data.train_ratio),
-        "--hidden-states-dtype", t.hidden_states_dtype,
-        "--target-layer-ids", *map(str, layer_ids),
-        "--d2t-path", str(d2t),
-        "--t2d-path", str(t2d),
-        "--on-missing", "raise",
-    ]  # fmt: skip
-    if device == "cpu":
-        argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
-    if t.max_steps is not None:
-        argv += ["--max-steps", str(t.max_steps)]
-    if t.sharding == "fsdp":
-        argv.append("--fsdp-shard")
-    return argv + list(t.extra_args)
-
-
-def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path = Path("data/hidden_states")) -> list[int]:
-    """The aux layers come from the store; a draft config that disagrees is refused."""
-    layer_ids = manifest.layer_ids
-    extra = params.train.extra_args
-    if "--target-layer-ids" in extra:
-        i = extra.index("--target-layer-ids") + 1
-        asked = [int(x) for x in extra[i : i + 3] if x.lstrip("-").isdigit()]
-        if asked != layer_ids:
-            raise ParamsError(
-                f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
-                f"({store.manifest_path(store_dir)}); drop it — the ids come from the extract stage"
-            )
-    return layer_ids
-
-
-def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
-    """What the ranks' samplers handed out, per (epoch, rank). After a mid-epoch resume the
-    sampler hands out only the remaining batches, so records of one epoch are merged."""
-    seen: dict[int, dict[int, list[int]]] = {}
-    for path in sorted(RunDir(out_dir).samples_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            ids = seen.setdefault(rec["epoch"], {}).setdefault(rec["rank"], [])
-            ids.extend(i for i in rec["ids"] if i not in set(ids))
-    return seen
-
-
-def last_global_step(checkpoints: Path) -> int | None:
-    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
-    return max((s["global_step"] for s in states), default=None)
+from draftlab.params import Params, flatten
+from draftlab.plan import accounting as acc
+from draftlab.plan import run_timing
+from draftlab.rundir import AccountingCheck, AccountingRecord, Command, Launch, RankPlan, RunDir, RunState, TrainRecord
+from draftlab.store import layout as store
+from draftlab.training import launch
+from draftlab.training.job import (
+    TrainingFailed,
+    TrainResult,
+    accounting_table,
+    last_global_step,
+    observed_samples,
+    plan,
+    preflight,
+    run_key,
+    speculators_argv,
+    vocab_mappings,
+)
 
 
 def _versions() -> dict[str, str]:
@@ -239,7 +49,8 @@ def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
     """A resumed folder's metrics.jsonl (evaluate's input) gets the steps its MLflow run has and
     it lacks: a folder trained before the file existed trains nothing more and would never
     write them."""
-    from draftlab import tracking, train_metrics
+    from draftlab import tracking
+    from draftlab.training import metrics as train_metrics
 
     try:
         added = train_metrics.backfill(rd.path, tracking.client(), run_id)
@@ -306,25 +117,6 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
-def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], str, str]:
-    """Every check before anything is written or launched: (layer ids, store dtype, device)."""
-    manifest = store.read_manifest(store_dir)
-    layer_ids = check_layer_ids(params, manifest, store_dir)
-    store_dtype = manifest.dtype
-    if store_dtype == store.FP8:
-        from draftlab.capture import check_dtype
-
-        check_dtype(store_dtype)
-    quick = store.verify(store_dir, full=False)
-    if quick:
-        raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
-    check_seq_len(params, data_dir)
-    device = resolve_device(params)
-    if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
-        console.print("[yellow]train[/]: FSDP over one rank shards nothing")
-    return layer_ids, store_dtype, device
-
-
 def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
         run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
     """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
@@ -332,7 +124,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     from then to the end counts as the cost model's start-up."""
     started_at = time.time() if started_at is None else started_at
     if params.train.node_rank > 0:
-        from draftlab.nodes import join
+        from draftlab.training.nodes import join
 
         return join(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out_dir)
     import mlflow
@@ -352,7 +144,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         launch.stop_orphans(out_dir, console)
         state = RunDir(out_dir).run.read_or_none()
         if params.train.nnodes > 1 and state is not None and state.key != key:
-            from draftlab.nodes import refuse_if_nodes_run
+            from draftlab.training.nodes import refuse_if_nodes_run
 
             refuse_if_nodes_run(out_dir, params.train.nnodes)  # before the folder is set aside
         _set_aside_if_stale(out_dir, key, console)
@@ -398,13 +190,13 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # everything else a rank needs is in the run folder's plan.json (rundir.RankPlan)
         env = dict(threads.thread_env(params.train.gpus), MLFLOW_RUN_ID=run_id, DRAFTLAB_RUN_DIR=str(out_dir),
                    DRAFTLAB_NODE_RANK="0",
-                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri(),
+                   DRAFTLAB_PARENT_CMD="draftlab.training.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri(),
                    **tracking.RANK_HTTP_ENV)
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
         mlflow.set_tracking_uri(tracking.tracking_uri())  # the fluent run below carries MLflow's system metrics
-        from draftlab import bottleneck, telemetry
+        from draftlab.observe import bottleneck, telemetry
 
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
             threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
@@ -429,7 +221,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             raise TrainingFailed(f"train: {why}; {see}")
 
         if params.train.nnodes > 1:
-            from draftlab.nodes import wait_for_writer
+            from draftlab.training.nodes import wait_for_writer
 
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
         observed_steps = last_global_step(rd.checkpoints)

@@ -4,9 +4,9 @@ Where Optuna's `timeout=` only stops *starting* trials, a sweep here never spend
 not have:
 
   calibrate  one step-limited trial per GPU count (base lr, epochs 2, max_steps 20+) measures
-             start-up, seconds per global step and per epoch boundary (draftlab.costmodel); cached
+             start-up, seconds per global step and per epoch boundary (draftlab.plan.costmodel); cached
              in the study, never told to it as a completed trial; E(n) = T(n) / (n · T(n0)) logged
-  predict    steps from `draftlab.planning` (the sampler `draftlab plan` and `train` use) ×
+  predict    steps from `draftlab.plan.planning` (the sampler `draftlab plan` and `train` use) ×
              seconds per step + epochs × per-epoch cost + start-up
   reject     a proposal whose prediction × (1 + margin) does not fit the remaining budget (or
              the per-trial cap) is recorded as rejected, with the reason, and never started (nor

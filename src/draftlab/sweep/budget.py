@@ -1,6 +1,6 @@
 """What a sweep measures time, trials and budget with: the injectable clock and trial
 interfaces, the calibrated cost model, and the ledger of spent budget shared by all workers of a
-study (draftlab.sweep.loop uses them). The cost model itself is draftlab.costmodel, shared with
+study (draftlab.sweep.loop uses them). The cost model itself is draftlab.plan.costmodel, shared with
 `draftlab plan` and the training ETA.
 
 Spent budget is the wall-clock during which at least one worker of the study was alive: each
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from draftlab.costmodel import Point
 from draftlab.params import Params
+from draftlab.plan.costmodel import Point
 
 WORKER_ATTR = "draftlab.worker."  # + worker id → {"host", "pid", "start", "last", "devices"}
 HEARTBEAT_S = 5  # seconds between a worker's heartbeats (its span here; on RDB, its trials' too)
@@ -76,7 +76,7 @@ class Launcher(Protocol):
     def reap(self, trial_dir: Path, pgids: Sequence[int], host: str) -> str | None: ...  # its run id
 
 
-# ---------------------------------------------------------------- the cost model (draftlab.costmodel)
+# ---------------------------------------------------------------- the cost model (draftlab.plan.costmodel)
 
 
 def point_from_outcome(gpus: int, trial: int, out: Outcome) -> Point:
@@ -89,7 +89,7 @@ def point_from_outcome(gpus: int, trial: int, out: Outcome) -> Point:
 def steps_from_lengths(lengths: Sequence[int]) -> Callable[[Params], int]:
     """Global steps of a trial: speculators' packing sampler over the train split's lengths at
     the trial's world size (plan_steps.plan_from_lengths: epoch 0 × epochs, as `plan` tables do)."""
-    from draftlab import plan_steps
+    from draftlab.plan import steps as plan_steps
 
     cache: dict[tuple, int] = {}
 

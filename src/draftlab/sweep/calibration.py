@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable
 
-from draftlab.costmodel import Point
 from draftlab.params import Params
+from draftlab.plan.costmodel import Point
 from draftlab.sweep.space import SweepSpec
 
 CALIBRATION_ATTR = "draftlab.calibration"  # GPU count → Point

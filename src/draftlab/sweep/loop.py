@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from draftlab.costmodel import CostModel, Point
 from draftlab.params import Params
+from draftlab.plan.costmodel import CostModel, Point
 from draftlab.sweep import calibration
 from draftlab.sweep import propose as proposals
 from draftlab.sweep.budget import Clock, Handle, Launcher, Ledger, Outcome, TrialSpec, point_from_outcome
@@ -299,7 +299,7 @@ class Worker:
         role = "calibration" if trial.user_attrs.get("role") == "calibration" else "search"
         values = proposals.suggest(trial, self.spec, self.base)
         run_values = values
-        if role == "calibration":  # a step-limited training: one timed epoch boundary (draftlab.compat)
+        if role == "calibration":  # a step-limited training: one timed epoch boundary (draftlab.training.compat)
             steps = int(trial.user_attrs.get("calibration_steps") or self.spec.calibration.steps)
             run_values = calibration.run_values(values, steps)
         params = trial_params(self.base, run_values)

@@ -12,16 +12,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from draftlab.costmodel import Point
 from draftlab.params import Params
-from draftlab.sweep.budget import SystemClock, steps_from_lengths
+from draftlab.plan.costmodel import Point
 from draftlab.sweep import calibration
+from draftlab.sweep.budget import SystemClock, steps_from_lengths
 from draftlab.sweep.loop import PARENT_RUN_ATTR, Worker, drive
 from draftlab.sweep.propose import sampler
 from draftlab.sweep.report import report
 from draftlab.sweep.space import SpaceError, SweepSpec, check_spec
 from draftlab.sweep.storage import StudyStorage
-
 
 
 def storage_url(spec: SweepSpec, out_dir: Path) -> str:
@@ -116,15 +115,15 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     """`draftlab sweep`: check, open the study and its parent run, run this worker, report."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from draftlab.console import console
-    from draftlab.stages.train import train_split
     from draftlab import tracking
+    from draftlab.console import console
     from draftlab.sweep.trial import ProcessLauncher
+    from draftlab.training.job import train_split
 
     devices, gpu = resolve_devices(spec, base, devices_flag)
     out_dir = out_dir / spec.study
     url = storage_url(spec, out_dir)
-    from draftlab import store
+    from draftlab.store import layout as store
 
     for path, what in ((data_dir, "prepared dataset"), (store.manifest_path(store_dir), "hidden-state store")):
         if not path.exists():
@@ -133,8 +132,7 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     reused: dict[int, Point] = {}
     if spec.calibration.reuse:
         from draftlab.devices import device_tags
-
-        from draftlab.costmodel import points_from_mlflow
+        from draftlab.plan.costmodel import points_from_mlflow
 
         found = points_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
                                    device_model=device_tags("cuda" if gpu else "cpu")["device.model"],

@@ -4,7 +4,7 @@
     H        --hidden-size, else the target's own config.json: the tiny profile's params, a local
              folder, or the hub cache (never the network); else the store's manifest when it
              was extracted from this target; else the flag is required
-    points   draftlab.costmodel.points_from_mlflow, only if the tracking store exists: a
+    points   draftlab.plan.costmodel.points_from_mlflow, only if the tracking store exists: a
              sqlite file or mlruns folder that is not there is not created
 """
 
@@ -66,7 +66,7 @@ def hidden_size(params: Params, target_dir: Path, store_dir: Path, flag: int | N
     config, where = target_config(params, target_dir)
     if config is not None and (h := _config_hidden_size(config)):
         return h, where
-    from draftlab import store
+    from draftlab.store import layout as store
 
     if store.has_manifest(store_dir):
         target = store.read_manifest(store_dir).target
@@ -78,7 +78,7 @@ def hidden_size(params: Params, target_dir: Path, store_dir: Path, flag: int | N
 
 def store_hash(params: Params, store_dir: Path) -> str | None:
     """The store's manifest hash when it belongs to this target (then runs must match it)."""
-    from draftlab import store
+    from draftlab.store import layout as store
 
     if not store.has_manifest(store_dir):
         return None
@@ -109,7 +109,7 @@ def measured_points(params: Params, store_dir: Path) -> tuple[dict, str]:
         return {}, f"no MLflow store at {uri}"
     import mlflow
 
-    from draftlab import costmodel
+    from draftlab.plan import costmodel
 
     try:
         points = costmodel.points_from_mlflow(params, client=mlflow.MlflowClient(uri),

@@ -1,7 +1,7 @@
 """Rank 0's training metrics per global step, in the run folder: `runs/train/metrics.jsonl`, one
 JSON line per step (`{"step": 12, "epoch": 0, "train/loss": …, "train/loss_0": …}`), each step once.
 
-The ranks write it as they train (draftlab.train_rank); the evaluate stage draws the loss curves
+The ranks write it as they train (draftlab.training.rank); the evaluate stage draws the loss curves
 from it, so they come from the train stage's declared output rather than from a tracking server.
 After a kill and a resume the trainer redoes the steps since its last checkpoint: those already
 in the file are not written again (their first values stay, as in the MLflow run), and a line

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 BUDGET_S = 330.0  # the 6-minute promise, less start-up and margin
-EXTRACT_TOLERANCE = 0.05  # max |GPU bf16 − CPU fp32| over max |CPU|: bf16 keeps ~3 significant digits
 RESULT = "gpu-check-result "
 STEPS = [("pipeline", 170.0), ("extract", 60.0), ("ddp", 60.0), ("fsdp", 60.0), ("vllm", 150.0)]
 PACKAGES = ("torch", "transformers", "speculators", "vllm", "triton", "mlflow", "datasets", "draftlab")
@@ -115,7 +114,7 @@ def run_steps(report: Report, steps: list[tuple[str, list[str], float]], *, budg
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m draftlab.gpu_check")
+    ap = argparse.ArgumentParser(prog="python -m draftlab.gpucheck.check")
     ap.add_argument("--out", default="reports/gpu-check.json")
     ap.add_argument("--work", default=None, help="scratch folder (default: beside --out)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S)
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     work = Path(a.work) if a.work else out.parent / "gpu-check-work"
     if a.step:
-        from draftlab.gpu_steps import run_one
+        from draftlab.gpucheck.steps import run_one
 
         print(RESULT + json.dumps(run_one(a.step, work)), flush=True)
         return 0
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             report.add(name, "skip", reason="no CUDA device visible")
     else:
         env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{(work / 'mlflow.db').resolve()}")
-        steps = [(name, [sys.executable, "-m", "draftlab.gpu_check", "--step", name, "--work", str(work)], t)
+        steps = [(name, [sys.executable, "-m", "draftlab.gpucheck.check", "--step", name, "--work", str(work)], t)
                  for name, t in STEPS]
         run_steps(report, steps, budget_s=a.budget_s, log_dir=work / "logs", env=env)
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")

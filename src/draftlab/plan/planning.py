@@ -1,15 +1,15 @@
 """The cost model behind `draftlab plan`: bytes on disk, packed steps, wall-clock and GPU-hours,
 each figure with where it came from, and the warnings that catch plans which waste compute.
 
-    store      tokens × (4 × H × dtype + 8 [+ 4 fp8 scale]) + files × header  (draftlab.store)
-    steps      speculators' own packing sampler (draftlab.plan_steps), exact from per-sample
+    store      tokens × (4 × H × dtype + 8 [+ 4 fp8 scale]) + files × header  (draftlab.store.layout)
+    steps      speculators' own packing sampler (draftlab.plan.steps), exact from per-sample
                lengths; from counts alone, a range over stated length distributions
-    wall-clock draftlab.costmodel (the one the sweep and the ETA use): start-up + steps × s/step
+    wall-clock draftlab.plan.costmodel (the one the sweep and the ETA use): start-up + steps × s/step
                + boundaries × s/epoch, from a calibration or finished run in MLflow, or a
                stated tokens/s; another GPU count from the nearest one, s/step held
     GPU-hours  wall-clock × n
 
-`plan_for` is `draftlab plan`: it gathers the inputs (draftlab.plan_inputs) and makes the plan.
+`plan_for` is `draftlab plan`: it gathers the inputs (draftlab.plan.inputs) and makes the plan.
 Nothing here imports torch at module level; `plan_table` needs rich (imported inside).
 """
 
@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from draftlab import costmodel, store
-from draftlab.plan_steps import CENTRAL_SIGMA, LENGTH_SIGMAS, StepEstimate, plan_from_counts, plan_from_lengths
+from draftlab.plan import costmodel
+from draftlab.plan.steps import CENTRAL_SIGMA, LENGTH_SIGMAS, StepEstimate, plan_from_counts, plan_from_lengths
+from draftlab.store import layout as store
 
 DEFAULT_GPU_COUNTS = (1, 2, 4, 8)
 SAFETENSORS_HEADER_BYTES = 168  # measured: 8-byte length + JSON header of hs_<i> ([T, 4, H] + [T])
@@ -269,7 +270,7 @@ def plan_for(params, *, target_dir: Path, data_dir: Path, store_dir: Path, gpu_c
     """`draftlab plan`: the plan for these params on this host, and where its wall-clock
     measurements came from. Stated counts (`samples`, `tokens`) stand in for a dataset not
     prepared yet; stated throughputs for measurements not made yet."""
-    from draftlab import plan_inputs
+    from draftlab.plan import inputs as plan_inputs
 
     stated = plan_inputs.stated_counts(samples, tokens)
     lengths = None if stated else plan_inputs.dataset_lengths(data_dir)

@@ -1,6 +1,6 @@
-"""What a training's time is made of, for the cost model (draftlab.costmodel) and the ETA:
+"""What a training's time is made of, for the cost model (draftlab.plan.costmodel) and the ETA:
 the launcher's side (timing/* of a finished run, the ETA's inputs in the rank plan) and the rank's
-(`Eta`, updated at every step by draftlab.train_rank). Nothing here imports torch.
+(`Eta`, updated at every step by draftlab.training.rank). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def val_steps(params: Params, data_dir: Path) -> int:
     lengths = list(load_from_disk(str(data_dir)).with_format(None)["seq_len"])
     val = lengths[int(len(lengths) * params.data.train_ratio):]
     t = params.train
-    from draftlab import accounting as acc
+    from draftlab.plan import accounting as acc
 
     return len(acc.rank_batches(val, total_seq_len=t.total_seq_len, world_size=t.world_size(), rank=0,
                                 seed=t.seed, epoch=0)) if val else 0
@@ -29,7 +29,7 @@ TAIL_RUNS = 5  # matching runs whose tails give the ETA's tail and its range
 
 
 def priors(params: Params, manifest_sha: str, device: str) -> dict:
-    """From up to TAIL_RUNS matching measured runs (draftlab.costmodel, newest first): s/epoch of
+    """From up to TAIL_RUNS matching measured runs (draftlab.plan.costmodel, newest first): s/epoch of
     the latest, and the tail after the last step (final validation + checkpoint, the ranks' and
     torchrun's exit, the launcher's checks, to the run's end) as their median, min and max, for
     the ETA before this run has measured its own; None each when there is none or the store
@@ -38,8 +38,8 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
     try:
         import mlflow
 
-        from draftlab import costmodel
         from draftlab.devices import device_tags
+        from draftlab.plan import costmodel
         from draftlab.tracking import tracking_uri
 
         n = params.train.world_size()
@@ -68,7 +68,8 @@ def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
 def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ended_at: float, tracker) -> dict:
     """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
     `draftlab plan` and the sweep read back as a cost-model point)."""
-    from draftlab import costmodel, telemetry
+    from draftlab.observe import telemetry
+    from draftlab.plan import costmodel
 
     ends = {r["step"]: r["t"] for r in telemetry.read_step_records(out_dir) if r.get("rank") == 0}
     per_epoch = a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs]
@@ -93,7 +94,7 @@ def harness_cpu(out_dir: Path, launcher_cpu_s: float, steps: int) -> dict:
 
 
 class Eta:
-    """Time left, by the cost model of draftlab.costmodel applied to this run as it goes:
+    """Time left, by the cost model of draftlab.plan.costmodel applied to this run as it goes:
 
         left = steps left × s/step + epoch boundaries left × s/epoch + tail
 
@@ -144,7 +145,7 @@ class Eta:
     def estimate(self, step: int) -> dict[str, float]:
         import statistics
 
-        from draftlab.costmodel import typical_step_s
+        from draftlab.plan.costmodel import typical_step_s
 
         recent = self.intervals[-self.RECENT:]
         step_s = typical_step_s(recent) if recent else self.step_s_fallback

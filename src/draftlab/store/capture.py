@@ -1,4 +1,4 @@
-"""Extraction's work, shared by the extract stage and its rank processes (draftlab.extract_ranks):
+"""Extraction's work, shared by the extract stage and its rank processes (draftlab.store.extract_ranks):
 what a store is made from (`target_identity`, `dataset_fingerprint`, `check_dtype`), batches
 composed from sample lengths alone (`plan_batches`), and the forward-capture-write loop that
 writes one `hs_<i>.safetensors` per row atomically (`extract_batches`).
@@ -13,9 +13,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftlab import store
 from draftlab.models import LayerCapture, resolve
 from draftlab.params import Params, ParamsError
+from draftlab.store import layout as store
 from draftlab.util import sha256_file, write_bytes_atomic
 
 

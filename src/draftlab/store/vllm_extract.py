@@ -59,7 +59,7 @@ def kv_transfer_config(dtype: str, hidden_states_path: Path) -> dict:
 
 def server_command(params: Params, *, vllm: str, model: str, num_layers: int, hidden_states_path: Path) -> list[str]:
     """`vllm serve` for hidden-state extraction, as speculators' launch_vllm.py builds it."""
-    from draftlab import store
+    from draftlab.store import layout as store
 
     e = params.extract
     layer_ids = [*(e.layer_ids or store.default_layer_ids(num_layers)), num_layers]  # + the last layer
@@ -105,9 +105,9 @@ def preflight(params: Params) -> tuple[str, list[str]]:
 def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, generate=None) -> None:
     """Hidden states of every prepared sample into `out_dir` through vLLM. `generate(cmd)` runs
     speculators' generator (default: a child process that must exit 0)."""
-    from draftlab import serving
     from draftlab.console import console
     from draftlab.models import resolve
+    from draftlab.serve import serving
 
     generate = generate or _generate
     out_dir.mkdir(parents=True, exist_ok=True)

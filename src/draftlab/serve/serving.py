@@ -10,7 +10,7 @@ mean acceptance length = 1 + Δaccepted / Δdrafts (vLLM's convention, bonus tok
 per-position rate k = Δaccepted_per_pos[k] / Δdrafts. It cannot run on CPU-only hosts; command
 construction, parsing and the server lifecycle are unit-tested without vLLM.
 
-    python -m draftlab.serving --target models/target --draft models/draft --data data/prepared
+    python -m draftlab.serve.serving --target models/target --draft models/draft --data data/prepared
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculativ
 def _main() -> None:
     import argparse
 
-    from draftlab.specdec import held_out_prompts
+    from draftlab.serve.specdec import held_out_prompts
 
     ap = argparse.ArgumentParser(description="vLLM serving benchmark of an exported EAGLE-3 draft (GPU hosts)")
     ap.add_argument("--target", required=True, help="target folder or hub id")

@@ -87,12 +87,14 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
     """A node other than 0: run this node's ranks of the job node 0 owns."""
     import socket
 
-    from draftlab import launch, procs, store, threads
+    from draftlab import procs, threads
     from draftlab.console import console
     from draftlab.models import resolve
     from draftlab.params import ParamsError
-    from draftlab.stages import train as tr
+    from draftlab.store import layout as store
     from draftlab.tracking import RANK_HTTP_ENV, tracking_uri
+    from draftlab.training import job as tr
+    from draftlab.training import launch
 
     t = params.train
     node = t.node_rank
@@ -112,7 +114,7 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
                                    store_dtype=store_dtype)
         cmd = launch.torchrun_cmd(params, argv)
         env = dict(threads.thread_env(t.gpus), DRAFTLAB_RUN_DIR=str(out_dir), DRAFTLAB_NODE_RANK=str(node),
-                   DRAFTLAB_PARENT_CMD="draftlab.torchrun", MLFLOW_TRACKING_URI=tracking_uri(), **RANK_HTTP_ENV)
+                   DRAFTLAB_PARENT_CMD="draftlab.training.torchrun", MLFLOW_TRACKING_URI=tracking_uri(), **RANK_HTTP_ENV)
         env.pop("MLFLOW_RUN_ID", None)  # a rank that writes reads the run id from node 0's run.json
         wait_for_rendezvous(t.rdzv_endpoint, console)
         # node 0 wrote run.json before it opened the rendezvous: the same params and data, or no job

@@ -1,8 +1,8 @@
 """One training rank: speculators' trainer (patched for this machine's device by
-`draftlab.compat`) plus draftlab's observers, configured by the launcher: `DRAFTLAB_RUN_DIR` names the run folder,
+`draftlab.training.compat`) plus draftlab's observers, configured by the launcher: `DRAFTLAB_RUN_DIR` names the run folder,
 whose rank plan (draftlab.rundir.RankPlan) says the rest.
 
-    torchrun --nproc-per-node N -m draftlab.train_rank <speculators train flags>
+    torchrun --nproc-per-node N -m draftlab.training.rank <speculators train flags>
 
 Observers (rank-local, no effect on what the trainer computes):
 - every rank appends the sample ids its train sampler hands out per epoch to
@@ -11,7 +11,7 @@ Observers (rank-local, no effect on what the trainer computes):
   node 0's launcher opened (its id read from the shared run folder's run.json) with perf/* figures
   derived from the step accounting, skips steps already logged before a resume, and stops the run
   on a NaN/inf loss; it also appends each step's train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl`
-  once (draftlab.train_metrics).
+  once (draftlab.training.metrics).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from draftlab import compat, train_metrics
-from draftlab.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
+from draftlab.plan.run_timing import Eta
 from draftlab.rundir import Failure, RankDone, RankPlan, RunDir
-from draftlab.run_timing import Eta
+from draftlab.training import compat
+from draftlab.training import metrics as train_metrics
+from draftlab.training.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
 
 
 class _Background:
@@ -143,7 +144,7 @@ class MetricsToTracker(logging.Handler):
         self.total_steps = plan.total_steps
         self.step_tokens = plan.step_tokens  # real (unpadded) tokens of every global step
         self.last_logged = plan.last_logged_step
-        self.eta = Eta(plan)  # draftlab.run_timing
+        self.eta = Eta(plan)  # draftlab.plan.run_timing
         self.flatten = compat.metric_flattener()
         self.steps = train_metrics.StepWriter(run_dir)  # the run folder's own copy, for evaluate
         self.phases: dict[str, list[float]] = {}  # this epoch's step phases so far
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> None:
     plan = RunDir(run_dir).plan.read() if run_dir is not None else None
     if run_dir is not None:
         procs.record_self(RunDir(run_dir).node_dir(node), f"rank{rank}")  # stopped by this node's launcher
-        from draftlab.telemetry import StepProfileRecorder
+        from draftlab.observe.telemetry import StepProfileRecorder
 
         compat.record_sampler_batches(RunDir(run_dir).samples_file(rank))
         handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))

@@ -26,8 +26,8 @@ TERM_GRACE_S = 10
 
 def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
     t = params.train
-    # draftlab.torchrun: torch.distributed.run, leaving without the interpreter's teardown
-    cmd = [sys.executable, "-m", "draftlab.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
+    # draftlab.training.torchrun: torch.distributed.run, leaving without the interpreter's teardown
+    cmd = [sys.executable, "-m", "draftlab.training.torchrun", "--nproc-per-node", str(t.gpus), "--nnodes", str(t.nnodes)]
     if t.rdzv_endpoint:
         # node 0 hosts the rendezvous store (its host is the endpoint's); the others connect to it.
         # c10d ignores --node-rank for torch's ranks: ownership is by train.node_rank, never RANK
@@ -35,7 +35,7 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
                 "--rdzv-conf", f"is_host={str(t.node_rank == 0).lower()}"]
     else:
         cmd.append("--standalone")
-    return cmd + ["-m", "draftlab.train_rank", *argv]
+    return cmd + ["-m", "draftlab.training.rank", *argv]
 
 
 @contextmanager

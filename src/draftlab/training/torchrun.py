@@ -1,7 +1,7 @@
 """torch's elastic launcher (`torch.distributed.run`, flags unchanged) that leaves without the
 interpreter's teardown once its ranks are done.
 
-    python -m draftlab.torchrun --standalone --nproc-per-node 2 -m draftlab.train_rank …
+    python -m draftlab.training.torchrun --standalone --nproc-per-node 2 -m draftlab.training.rank …
 
 Tearing down an interpreter that imported torch took about a second on a loaded 2-core VM: time
 after the last step that every training's tail, ETA and plan pay. The launcher's own work

@@ -95,7 +95,7 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     import torch
     from safetensors.torch import save_file
 
-    from draftlab import store
+    from draftlab.store import layout as store
 
     out_dir = Path(out_dir)
     train, checkpoint, cfg = read_checkpoint(train_dir)

@@ -1,4 +1,4 @@
-"""The bottleneck verdict of a run, from its telemetry (draftlab.telemetry) and step records.
+"""The bottleneck verdict of a run, from its telemetry (draftlab.observe.telemetry) and step records.
 
 `classify(window)` names what limited a window of a run: `data-bound (disk)`, `data-bound
 (CPU)`, `compute-bound`, `communication-bound` or `straggler-bound`, with the figures that
@@ -14,8 +14,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from draftlab.observe.telemetry import Sample, TelemetrySampler, read_step_records
 from draftlab.rundir import RunDir
-from draftlab.telemetry import Sample, TelemetrySampler, read_step_records
 
 # ------------------------------------------------------------------ thresholds (each: why)
 DATA_WAIT_BOUND_FRAC = 0.15  # the GPU idles this share of every step waiting for the loader

@@ -40,8 +40,8 @@ Two more CPU limits are flags, not patches: FlexAttention has no CPU backward
 (``--loss-implementation eager``); :func:`run_trainer` refuses a CPU run without them.
 On CUDA nothing is patched.
 
-Run one rank:   python -m draftlab.train_rank <speculators train flags>
-Run N ranks:    torchrun --nproc-per-node N -m draftlab.train_rank <flags>
+Run one rank:   python -m draftlab.training.rank <speculators train flags>
+Run N ranks:    torchrun --nproc-per-node N -m draftlab.training.rank <flags>
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check_speculators_version() -> None:
     installed = importlib.metadata.version("speculators")
     if installed != SPECULATORS_VERSION:
         raise RuntimeError(
-            f"draftlab.compat was written for speculators {SPECULATORS_VERSION}, but "
+            f"draftlab.training.compat was written for speculators {SPECULATORS_VERSION}, but "
             f"{installed} is installed: re-read its trainer for accelerator assumptions, "
             "update the patches and tests/unit/test_compat.py, then SPECULATORS_VERSION."
         )
@@ -372,7 +372,7 @@ class VerifiedTransfer:
 
         from hs_connectors.transfer import FileTransfer, FP8Transfer
 
-        from draftlab import store
+        from draftlab.store import layout as store
 
         path = self.store_dir / store.file_name(file_idx)
         rec = self.records.get(file_idx)
@@ -496,7 +496,7 @@ def verify_hidden_state_reads(store_dir: Path, *, full: bool = True) -> None:
     from speculators.train import data
 
     check_speculators_version()
-    from draftlab import store
+    from draftlab.store import layout as store
 
     records = {f.index: f.model_dump() for f in store.read_manifest(store_dir).files}
     stock_init = data.ArrowDataset.__init__

@@ -19,7 +19,7 @@ The target verifies [last token, d_1..d_K] in one forward with its DynamicCache;
 of drafts equal to its argmax is accepted, its own next token is appended (the bonus) and the cache
 is cropped. Mean acceptance length = 1 + accepted / drafts (vLLM's convention).
 
-    python -m draftlab.specdec --draft runs/train/checkpoints/2 --target models/target \
+    python -m draftlab.serve.specdec --draft runs/train/checkpoints/2 --target models/target \
         --data data/prepared --num-prompts 16 --k 3
 
 Legend: T tokens, H hidden size, V vocabulary.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 
 @dataclass

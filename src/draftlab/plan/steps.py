@@ -10,7 +10,7 @@ own bin, so rank 0's batch count *is* every rank's (plan_epochs asserts they agr
 per-epoch reshuffle moves the count by < 0.2 % (measured: 6,581 vs 6,583; 4,998 vs 4,991),
 far inside the range spanned by the length distributions. So counts run the sampler once per
 (distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
-file without the package's heavy `__init__` (draftlab.compat.sampler_class): the same code, a
+file without the package's heavy `__init__` (draftlab.training.compat.sampler_class): the same code, a
 few seconds in all.
 """
 
@@ -48,7 +48,7 @@ def packing_bounds(trained_tokens: int, num_samples: int, total_seq_len: int, wo
 
 def epoch_steps(lengths, *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
     """Global optimizer steps of one epoch = rank 0's batches (every rank has as many)."""
-    from draftlab import compat
+    from draftlab.training import compat
 
     return compat.epoch_batches(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed, epoch=epoch)
 
@@ -62,11 +62,11 @@ def plan_from_lengths(lengths: Sequence[int], *, total_seq_len: int, world_size:
     trained = sum(min(n, total_seq_len) for n in lengths)
     truncated = sum(n > total_seq_len for n in lengths)
     if exact:
-        from draftlab import accounting as acc
+        from draftlab.plan import accounting as acc
 
         per_epoch = [e.steps for e in acc.plan_epochs(lengths, total_seq_len=total_seq_len, world_size=world_size,
                                                       epochs=epochs, seed=seed).epochs]
-        basis = f"exact: draftlab.accounting on {len(lengths):,} per-sample lengths, every rank and epoch"
+        basis = f"exact: draftlab.plan.accounting on {len(lengths):,} per-sample lengths, every rank and epoch"
     else:
         per_epoch = [epoch_steps(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed)] * epochs
         basis = f"speculators' sampler on {len(lengths):,} per-sample lengths, epoch 0 × {epochs}"

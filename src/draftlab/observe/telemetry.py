@@ -1,4 +1,4 @@
-"""Telemetry during extract and train: what the bottleneck verdict (draftlab.bottleneck) reads.
+"""Telemetry during extract and train: what the bottleneck verdict (draftlab.observe.bottleneck) reads.
 
 `TelemetrySampler` is a background thread (psutil; NVML on GPU hosts, imported lazily) that every
 `interval_s` samples what MLflow's built-in system metrics lack and logs it under `system/…`:

@@ -1,4 +1,4 @@
-"""The steps of `scripts/gpu-check.sh` (see `draftlab.gpu_check`), each run in a child process:
+"""The steps of `scripts/gpu-check.sh` (see `draftlab.gpucheck.check`), each run in a child process:
 `run_one(name, work)` returns {status, reason, figures}. They call the very stage functions a
 `dvc repro` calls, on the tiny default params with every device forced to cuda, so a silent CPU
 fallback cannot pass."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from draftlab import store
-from draftlab.gpu_check import EXTRACT_TOLERANCE
 from draftlab.rundir import RunDir
+from draftlab.store import layout as store
+
+EXTRACT_TOLERANCE = 0.05  # max |GPU bf16 − CPU fp32| over max |CPU|: bf16 keeps ~3 significant digits
 
 # speculators' GPU defaults failed to compile → the same run with these, the reason tagged
 EAGER = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]

@@ -9,7 +9,7 @@ the launcher alone appends them to the journal. So a kill -9 of anything resumes
 launcher (`procs.spawn`). A target too large for one GPU is not split into ranks: it runs in one
 process spread over all GPUs (`device_map="auto"`).
 
-    python -m draftlab.extract_ranks      # a rank; reads its job (JSON) on stdin
+    python -m draftlab.store.extract_ranks      # a rank; reads its job (JSON) on stdin
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def run_ranks(params: Params, *, processes: int, placement, target_dir: Path, da
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[r]
             log = tempfile.TemporaryFile()  # noqa: SIM115 — read on failure, closed below
-            proc = procs.spawn([sys.executable, "-m", "draftlab.extract_ranks"], env=env, stdin=subprocess.PIPE,
+            proc = procs.spawn([sys.executable, "-m", "draftlab.store.extract_ranks"], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=log, text=True)
             proc.stdin.write(json.dumps(job))
             proc.stdin.close()
@@ -131,10 +131,9 @@ def main() -> None:
     from datasets import load_from_disk
 
     from draftlab import devices
+    from draftlab.models import LayerCapture, load_target
     from draftlab.params import parse_params
-    from draftlab.models import LayerCapture
-    from draftlab.capture import extract_batches
-    from draftlab.models import load_target
+    from draftlab.store.capture import extract_batches
 
     torch.set_num_threads(job["num_threads"])  # the same threads as the launcher: the same bytes on CPU
     params = parse_params(job["params"])

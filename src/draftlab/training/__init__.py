@@ -1,0 +1,15 @@
+"""How a training job runs, apart from the stage that owns it (`stages/train.py`).
+
+    job        the pieces the launcher and a joining node share: run key, step plan, checks
+               before launch, vocabulary maps, speculators' argv
+    launch     the torchrun command, the run folder's lock, stopping orphaned ranks
+    torchrun   `python -m draftlab.training.torchrun`: torch's launcher without the teardown
+    rank       `python -m draftlab.training.rank`: one rank, speculators' trainer plus draftlab's
+               observers (metrics to MLflow, step and sample records, the convergence watch)
+    metrics    rank 0's per-step `metrics.jsonl`, evaluate's loss curves
+    compat     every speculators 0.9 internal draftlab touches, behind one version check
+    nodes      a node other than 0 joining node 0's run
+
+May import: the shared core, `plan`, `store.layout`, `store.capture` (fingerprints),
+`observe.telemetry`. Never a stage.
+"""
