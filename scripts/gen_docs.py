@@ -1,0 +1,240 @@
+"""Write the parts of docs/ that a program can produce, so that none is copied by hand.
+
+- `docs/params.md`: the params reference, from the params model (`draftlab.params.Params`),
+  the same fields, defaults and descriptions `draftlab params` prints;
+- `docs/cli.md`: `draftlab --help` and every command's `--help`, as the CLI prints them;
+- the regions between `<!-- generated: NAME -->` and `<!-- /generated -->` in any docs page:
+  the output of the command `BLOCKS[NAME]` runs (e.g. `draftlab plan` of the Kimi-K2.5 profiles).
+
+    python scripts/gen_docs.py           # rewrite what is out of date
+    python scripts/gen_docs.py --check   # exit 1 naming each page that differs (tests/unit/test_docs.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import sys
+import tempfile
+import types
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+HELP_WIDTH = 100
+REGION = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+
+# What `draftlab plan` is told about the host in the pages: the figures then depend on the
+# profile and the stated reference rates alone, not on the disk or /dev/shm of whoever runs this.
+PLAN_DISK_FREE_TIB = 8
+PLAN_SHM_MB = 64_000
+# The Kimi-K2.5 reference run (DESIGN.md): 37,312 samples, 87.8 M tokens, H = 7168; training at
+# 1.4 steps/s × 4 ranks × 2,353 tokens per rank-step ≈ 13.2 k tokens/s; extraction 2,600 tokens/s.
+KIMI_COUNTS = "--samples 37312 --tokens 87800000 --hidden-size 7168"
+KIMI_RATES = "--tokens-per-s 13200 --at-gpus 4 --extract-tokens-per-s 2600"
+
+
+# ------------------------------------------------------------------ the params reference
+
+
+def _type_name(ann: object) -> str:
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{v}`" for v in typing.get_args(ann))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        nullable = len(args) < len(typing.get_args(ann))
+        return " \\| ".join(_type_name(a) for a in args) + (" \\| null" if nullable else "")
+    if origin is not None:
+        inner = ", ".join(_type_name(a) for a in typing.get_args(ann))
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    return getattr(ann, "__name__", str(ann))
+
+
+def yaml_value(value: object) -> str:
+    """A default as it is written in params.yaml."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def params_page() -> str:
+    from pydantic import BaseModel
+
+    from draftlab.params import Params
+
+    out = [
+        "# Params reference",
+        "",
+        "<!-- Written by scripts/gen_docs.py from draftlab.params.Params; do not edit by hand. -->",
+        "",
+        "Every key of `params.yaml`, its default (the tiny profile) and its meaning: the fields, defaults",
+        "and descriptions `draftlab params` prints, from the same model. A key not listed here is refused",
+        "with one line naming it and the closest valid key ([errors](errors.md#params)). Real-target",
+        "profiles in `experiments/` override some of them (`draftlab use experiments/<profile>.yaml`).",
+        "",
+    ]
+
+    def section(model: type[BaseModel], prefix: str, title: str, description: str) -> None:
+        rows, subsections = [], []
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                subsections.append((ann, f"{prefix}{name}.", f"{prefix}{name}", field.description or ""))
+                continue
+            default = field.get_default(call_default_factory=True)
+            rows.append(f"| `{prefix}{name}` | `{_cell(yaml_value(default))}` | {_type_name(ann)} "
+                        f"| {_cell(field.description or '')} |")
+        out.extend([f"## `{title}`" if prefix else f"## {title}", "", description, ""])
+        if rows:
+            out.extend(["| key | default | type | meaning |", "|---|---|---|---|", *rows, ""])
+        for sub in subsections:
+            section(*sub)
+
+    for name, field in Params.model_fields.items():
+        section(field.annotation, f"{name}.", name, field.description or "")
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ------------------------------------------------------------------ command output
+
+
+@contextlib.contextmanager
+def _fixed_terminal(cwd: Path) -> Iterator[None]:
+    """Help and tables at HELP_WIDTH columns, no colour, no MLflow store but the one in `cwd`
+    (none), and the plan's host facts fixed (PLAN_DISK_FREE_TIB)."""
+    import typer.rich_utils as ru
+
+    from draftlab.console import console
+    from draftlab.plan import planning
+
+    saved = (ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM, console.width, os.getcwd(),
+             os.environ.pop("MLFLOW_TRACKING_URI", None), planning.disk_free_bytes)
+    ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM = HELP_WIDTH, False, None
+    console.width = HELP_WIDTH
+    planning.disk_free_bytes = lambda path: PLAN_DISK_FREE_TIB * 2**40
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM, console.width = saved[:4]
+        os.chdir(saved[4])
+        if saved[5] is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved[5]
+        planning.disk_free_bytes = saved[6]
+
+
+def draftlab(command: str) -> str:
+    """What `draftlab <command>` prints (stdout and stderr), run in-process in an empty folder,
+    with `{root}` in `command` standing for the repository root."""
+    from typer.testing import CliRunner
+
+    from draftlab.cli import app
+
+    args = shlex.split(command.format(root=ROOT))
+    with tempfile.TemporaryDirectory() as tmp, _fixed_terminal(Path(tmp)):
+        result = CliRunner().invoke(app, args, prog_name="draftlab")
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise RuntimeError(f"draftlab {command}: {result.exception!r}") from result.exception
+    text = result.output.replace(str(ROOT) + "/", "")
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n") + "\n"
+
+
+def cli_page() -> str:
+    from draftlab.cli import app
+
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    out = [
+        "# Command reference",
+        "",
+        "<!-- Written by scripts/gen_docs.py from the CLI itself; do not edit by hand. -->",
+        "",
+        "Each command's `--help`, as `draftlab` prints it. The stage commands take `--params` (default",
+        "`params.yaml`) and the explicit folders `dvc.yaml` passes them; knobs live in params",
+        "([params reference](params.md)).",
+        "",
+        "## `draftlab`",
+        "",
+        "```text",
+        draftlab("--help").rstrip(),
+        "```",
+        "",
+    ]
+    for name in names:
+        out += [f"## `draftlab {name}`", "", "```text", draftlab(f"{name} --help").rstrip(), "```", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _plan(profile: str, gpus: str) -> Callable[[], str]:
+    command = (f"plan --params {{root}}/experiments/{profile} {KIMI_COUNTS} {KIMI_RATES} --gpus {gpus} "
+               f"--shm-mb {PLAN_SHM_MB}")
+
+    def block() -> str:
+        shown = command.replace("{root}/", "").replace("--params ", "--params ")
+        return f"```text\n$ draftlab {shown}\n{draftlab(command)}```\n"
+
+    return block
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "plan-kimi-4gpu": _plan("kimi-k2.5-4gpu.yaml", "4"),
+    "plan-kimi-8gpu": _plan("kimi-k2.5-8gpu.yaml", "4,8"),
+    "help-sweep": lambda: f"```text\n$ draftlab sweep --help\n{draftlab('sweep --help')}```\n",
+}
+
+
+def fill_regions(text: str, blocks: dict[str, Callable[[], str]] = BLOCKS) -> str:
+    def replace(m: re.Match) -> str:
+        name = m["name"]
+        if name not in blocks:
+            raise KeyError(f"<!-- generated: {name} -->: no such block (scripts/gen_docs.py BLOCKS: {sorted(blocks)})")
+        return m.group(1) + blocks[name]() + m.group(4)
+
+    return REGION.sub(replace, text)
+
+
+# ------------------------------------------------------------------ the pages
+
+
+def expected_pages() -> dict[Path, str]:
+    """Every generated page or page with generated regions, as this code would write it."""
+    pages = {DOCS / "params.md": params_page(), DOCS / "cli.md": cli_page()}
+    for page in sorted(DOCS.rglob("*.md")):
+        if page in pages:
+            continue
+        text = page.read_text()
+        if REGION.search(text):
+            pages[page] = fill_regions(text)
+    return pages
+
+
+def stale_pages() -> list[Path]:
+    return [p for p, text in expected_pages().items() if not p.is_file() or p.read_text() != text]
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        stale = stale_pages()
+        for page in stale:
+            print(f"{page.relative_to(ROOT)}: out of date; run `python scripts/gen_docs.py`", file=sys.stderr)
+        return 1 if stale else 0
+    if argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    for page, text in expected_pages().items():
+        if not page.is_file() or page.read_text() != text:
+            page.write_text(text)
+            print(f"wrote {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
