@@ -184,7 +184,16 @@ def _plan(profile: str, gpus: str) -> Callable[[], str]:
     return block
 
 
+def _serve_kimi() -> str:
+    from draftlab.params import load_params
+    from draftlab.serve.draft_export import serve_command
+
+    p = load_params(ROOT / "experiments" / "kimi-k2.5-8gpu.yaml", check_paths=False)
+    return f"```bash\n{serve_command(p.export.verifier_path, 'models/draft', p.train.ttt_steps)}\n```\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "serve-kimi": _serve_kimi,
     "plan-kimi-4gpu": _plan("kimi-k2.5-4gpu.yaml", "4"),
     "plan-kimi-8gpu": _plan("kimi-k2.5-8gpu.yaml", "4,8"),
     "help-sweep": lambda: f"```text\n$ draftlab sweep --help\n{draftlab('sweep --help')}```\n",
