@@ -4,7 +4,7 @@ A user-facing error is one the CLI prints as `error: <message>` (draftlab.cli.co
 `UserError` subclass constructed anywhere, a call to a helper whose body raises one with its
 argument (`cli._fail`), a `ValueError` raised in a pydantic validator (it reaches the user
 inside a `ParamsError` or `SpaceError` line), and the errors the training rank turns into the
-run's failure line (`USER_FACING_ALSO`). Each site's message becomes a template: the literal
+run's failure line (`USER_FACING_ALSO`, `USER_FACING_RECORDS`). Each site's message becomes a template: the literal
 text, module-level string constants resolved, `…` where a value is filled in. docs/errors.md
 quotes every template; tests/unit/test_docs.py holds the two in step.
 
@@ -23,6 +23,8 @@ ROOT_ERROR = "UserError"
 # Not UserErrors, but their message is the line a user reads: the rank catches them and the
 # launcher's TrainingFailed prints it (draftlab.training.rank).
 USER_FACING_ALSO = {"HiddenStateFileError"}
+# Records whose `message` the launcher prints in its TrainingFailed line (rundir.Failure).
+USER_FACING_RECORDS = {"Failure": "message"}
 HOLE = "…"
 
 
@@ -113,6 +115,7 @@ class _Visitor(ast.NodeVisitor):
     def __init__(self, path: str, errors: set[str], helpers: set[str], constants: dict[str, str | None]):
         self.path, self.errors, self.helpers, self.constants = path, errors, helpers, constants
         self.stack: list[str] = []
+        self.functions: list[ast.AST] = []
         self.validator_depth = 0
         self.sites: list[Site] = []
 
@@ -120,9 +123,11 @@ class _Visitor(ast.NodeVisitor):
         is_validator = any(_name(d.func if isinstance(d, ast.Call) else d).endswith("_validator")
                            for d in getattr(node, "decorator_list", []))
         self.stack.append(node.name)
+        self.functions.append(node)
         self.validator_depth += is_validator
         self.generic_visit(node)
         self.validator_depth -= is_validator
+        self.functions.pop()
         self.stack.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scope
@@ -132,11 +137,28 @@ class _Visitor(ast.NodeVisitor):
         is_error = callee in self.errors or callee in self.helpers
         if callee == "ValueError" and self.validator_depth:
             is_error = True
-        if is_error and node.args and not (callee in self.helpers and self.stack[-1:] == [callee]):
-            arg = node.args[0]
+        arg = node.args[0] if is_error and node.args else None
+        if callee in USER_FACING_RECORDS:
+            arg = next((k.value for k in node.keywords if k.arg == USER_FACING_RECORDS[callee]), None)
+        if arg is not None and not (callee in self.helpers and self.stack[-1:] == [callee]):
+            template = _template(arg, self.constants)
+            if template is None and isinstance(arg, ast.Name):
+                template = self._assigned(arg.id, node.lineno)
             self.sites.append(Site(self.path, node.lineno, ".".join(self.stack) or "<module>", callee,
-                                   _template(arg, self.constants), ast.unparse(arg)))
+                                   template, ast.unparse(arg)))
         self.generic_visit(node)
+
+    def _assigned(self, name: str, before: int) -> str | None:
+        """The message a local variable holds: its last `name = <text>` above the call."""
+        if not self.functions:
+            return None
+        found = None
+        for n in ast.walk(self.functions[-1]):
+            if (isinstance(n, ast.Assign) and n.lineno < before and len(n.targets) == 1
+                    and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name
+                    and (found is None or n.lineno > found.lineno)):
+                found = n
+        return _template(found.value, self.constants) if found is not None else None
 
 
 def _helpers(trees: dict[Path, ast.Module], errors: set[str]) -> set[str]:

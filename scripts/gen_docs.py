@@ -108,8 +108,8 @@ def params_page() -> str:
 
 
 @contextlib.contextmanager
-def _fixed_terminal(cwd: Path) -> Iterator[None]:
-    """Help and tables at HELP_WIDTH columns, no colour, no MLflow store but the one in `cwd`
+def _fixed_terminal(cwd: Path, width: int) -> Iterator[None]:
+    """Help and tables at `width` columns, no colour, no MLflow store but the one in `cwd`
     (none), and the plan's host facts fixed (PLAN_DISK_FREE_TIB)."""
     import typer.rich_utils as ru
 
@@ -118,8 +118,8 @@ def _fixed_terminal(cwd: Path) -> Iterator[None]:
 
     saved = (ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM, console.width, os.getcwd(),
              os.environ.pop("MLFLOW_TRACKING_URI", None), planning.disk_free_bytes)
-    ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM = HELP_WIDTH, False, None
-    console.width = HELP_WIDTH
+    ru.MAX_WIDTH, ru.FORCE_TERMINAL, ru.COLOR_SYSTEM = width, False, None
+    console.width = width
     planning.disk_free_bytes = lambda path: PLAN_DISK_FREE_TIB * 2**40
     os.chdir(cwd)
     try:
@@ -132,7 +132,7 @@ def _fixed_terminal(cwd: Path) -> Iterator[None]:
         planning.disk_free_bytes = saved[6]
 
 
-def draftlab(command: str) -> str:
+def draftlab(command: str, width: int = HELP_WIDTH) -> str:
     """What `draftlab <command>` prints (stdout and stderr), run in-process in an empty folder,
     with `{root}` in `command` standing for the repository root."""
     from typer.testing import CliRunner
@@ -140,7 +140,7 @@ def draftlab(command: str) -> str:
     from draftlab.cli import app
 
     args = shlex.split(command.format(root=ROOT))
-    with tempfile.TemporaryDirectory() as tmp, _fixed_terminal(Path(tmp)):
+    with tempfile.TemporaryDirectory() as tmp, _fixed_terminal(Path(tmp), width):
         result = CliRunner().invoke(app, args, prog_name="draftlab")
     if result.exception and not isinstance(result.exception, SystemExit):
         raise RuntimeError(f"draftlab {command}: {result.exception!r}") from result.exception
@@ -173,15 +173,51 @@ def cli_page() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+PLAN_WIDTH = 120
+
+
+def _plan_command(profile: str, gpus: str) -> str:
+    return (f"plan --params {{root}}/experiments/{profile} {KIMI_COUNTS} {KIMI_RATES} --gpus {gpus} "
+            f"--shm-mb {PLAN_SHM_MB}")
+
+
 def _plan(profile: str, gpus: str) -> Callable[[], str]:
-    command = (f"plan --params {{root}}/experiments/{profile} {KIMI_COUNTS} {KIMI_RATES} --gpus {gpus} "
-               f"--shm-mb {PLAN_SHM_MB}")
+    command = _plan_command(profile, gpus)
 
     def block() -> str:
-        shown = command.replace("{root}/", "").replace("--params ", "--params ")
-        return f"```text\n$ draftlab {shown}\n{draftlab(command)}```\n"
+        shown = command.replace("{root}/", "")
+        return f"```text\n$ draftlab {shown}\n{draftlab(command, PLAN_WIDTH)}```\n"
 
     return block
+
+
+def _kimi_steps() -> str:
+    """The journey's table of steps, its costs read from `draftlab plan --json` of both profiles."""
+    import json
+
+    four = json.loads(draftlab(_plan_command("kimi-k2.5-4gpu.yaml", "4") + " --json"))
+    eight = json.loads(draftlab(_plan_command("kimi-k2.5-8gpu.yaml", "8") + " --json"))
+    (row4,), (row8,) = four["rows"], eight["rows"]
+    epochs = four["scenario"]["epochs"]
+
+    def train(row: dict) -> str:
+        return f"{row['wall_clock_s'] / 3600:.1f} h on {row['gpus']} GPUs ({row['gpu_hours']:.1f} GPU-hours)"
+
+    rate = float(KIMI_RATES.split("--extract-tokens-per-s ")[1].split()[0])
+    rows = [
+        ("0. prove the host", "`scripts/gpu-check.sh`", "within 6 minutes (its own bound)"),
+        ("1. plan", "`draftlab plan …` (below)", "seconds; writes nothing"),
+        ("2. choose the profile", "`draftlab use experiments/kimi-k2.5-4gpu.yaml`", "—"),
+        ("3. prepare", "`dvc repro prepare`", "not predicted (regeneration by a vLLM server of the target)"),
+        ("4. extract", "`dvc repro extract`",
+         f"a {four['store_bytes'] / 2**40:.2f} TiB store; {four['extraction_hours']:.1f} h at {rate:,.0f} tokens/s"),
+        ("5. train", "`dvc repro train`", f"{epochs} epochs: {train(row4)}, {train(row8)}, at the reference rate"),
+        ("6. evaluate", "`dvc repro evaluate`", "not predicted"),
+        ("7. export and serve", "`dvc repro export`, then `vllm serve …`", "not predicted"),
+    ]
+    out = ["| step | command | cost at the reference (`draftlab plan`) |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out) + "\n"
 
 
 def _serve_kimi() -> str:
@@ -194,6 +230,7 @@ def _serve_kimi() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {
     "serve-kimi": _serve_kimi,
+    "kimi-steps": _kimi_steps,
     "plan-kimi-4gpu": _plan("kimi-k2.5-4gpu.yaml", "4"),
     "plan-kimi-8gpu": _plan("kimi-k2.5-8gpu.yaml", "4,8"),
     "help-sweep": lambda: f"```text\n$ draftlab sweep --help\n{draftlab('sweep --help')}```\n",
