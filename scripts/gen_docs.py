@@ -8,6 +8,11 @@
 
     python scripts/gen_docs.py           # rewrite what is out of date
     python scripts/gen_docs.py --check   # exit 1 naming each page that differs (tests/unit/test_docs.py)
+    python scripts/gen_docs.py --tiny-run DIR   # also the tiny default's figures, from a checkout
+                                                # where `dvc repro` of the default has run (minutes;
+                                                # tests/integration/test_docs_figures.py does that)
+
+The `RUN_BLOCKS` regions need such a finished run: without `--tiny-run` they are left as they are.
 """
 
 from __future__ import annotations
@@ -237,9 +242,46 @@ BLOCKS: dict[str, Callable[[], str]] = {
 }
 
 
-def fill_regions(text: str, blocks: dict[str, Callable[[], str]] = BLOCKS) -> str:
+def tiny_default_figures(run_root: Path) -> str:
+    """What `dvc repro` of the default params produced in `run_root`: the draft's learning and
+    its acceptance, read from the run's own outputs (train accounting, step records, validation
+    after each epoch, reports/metrics.json)."""
+    import json
+
+    a = json.loads((run_root / "runs/train/accounting.json").read_text())
+    m = json.loads((run_root / "reports/metrics.json").read_text())
+    first = json.loads((run_root / "runs/train/metrics.jsonl").read_text().splitlines()[0])
+    epochs = len(a["steps_per_epoch"])
+    val = [json.loads((run_root / f"runs/train/checkpoints/{e}/val_metrics.json").read_text())["cond_acc_0_epoch"]
+           for e in range(epochs)]
+    k = int(m["eval/num_speculative_tokens"])
+    steps = sorted(set(a["steps_per_epoch"]))
+    per_epoch = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
+    full = " / ".join(f"{m[f'eval/full_acc_{i}']:.3f}" for i in range(k))
+    accept = " / ".join(f"{m[f'eval/accept_rate_{i}']:.3f}" for i in range(k))
+    identical = "identical to" if m["eval/lossless"] == 1.0 else "NOT identical to"
+    return (
+        f"- setup: {a['world_size']} CPU rank, {epochs} epochs × {per_epoch} packed steps of ≤ "
+        f"{a['total_seq_len']:,} tokens, {a['train_samples']} train samples;\n"
+        f"- the draft's `cond_acc_0`: {first['train/cond_acc_0']:.3f} at step 0, {val[0]:.3f} on the validation "
+        f"split after epoch 1, {val[-1]:.3f} after epoch {epochs};\n"
+        f"- k = {k}: predicted acceptance length {m['eval/simulated_acc_len']:.3f} (val full_acc {full}), measured "
+        f"{m['eval/measured_acc_len']:.3f} on {int(m['eval/prompts'])} held-out prompts (acceptance {accept} by "
+        f"position), predicted/measured {m['eval/predicted_over_measured']:.2f}, "
+        f"{m['eval/forward_passes_saved_frac']:.0%} fewer target forward passes than plain decoding, and output "
+        f"{identical} the target's greedy output.\n"
+    )
+
+
+# Regions that need a finished run of the pipeline (see `main`): name -> (run_root -> text).
+RUN_BLOCKS: dict[str, Callable[[Path], str]] = {"tiny-default": tiny_default_figures}
+
+
+def fill_regions(text: str, blocks: dict[str, Callable[[], str]] = BLOCKS, run_root: Path | None = None) -> str:
     def replace(m: re.Match) -> str:
         name = m["name"]
+        if name in RUN_BLOCKS:
+            return m.group(1) + RUN_BLOCKS[name](run_root) + m.group(4) if run_root else m.group(0)
         if name not in blocks:
             raise KeyError(f"<!-- generated: {name} -->: no such block (scripts/gen_docs.py BLOCKS: {sorted(blocks)})")
         return m.group(1) + blocks[name]() + m.group(4)
@@ -250,7 +292,15 @@ def fill_regions(text: str, blocks: dict[str, Callable[[], str]] = BLOCKS) -> st
 # ------------------------------------------------------------------ the pages
 
 
-def expected_pages() -> dict[Path, str]:
+def region(text: str, name: str) -> str:
+    """The body of the region `name` in a page's text."""
+    m = re.search(rf"<!-- generated: {re.escape(name)} -->\n(.*?)<!-- /generated -->", text, re.S)
+    if m is None:
+        raise KeyError(f"no <!-- generated: {name} --> region")
+    return m[1]
+
+
+def expected_pages(run_root: Path | None = None) -> dict[Path, str]:
     """Every generated page or page with generated regions, as this code would write it."""
     pages = {DOCS / "params.md": params_page(), DOCS / "cli.md": cli_page()}
     for page in sorted(DOCS.rglob("*.md")):
@@ -258,7 +308,7 @@ def expected_pages() -> dict[Path, str]:
             continue
         text = page.read_text()
         if REGION.search(text):
-            pages[page] = fill_regions(text)
+            pages[page] = fill_regions(text, run_root=run_root)
     return pages
 
 
@@ -272,10 +322,13 @@ def main(argv: list[str]) -> int:
         for page in stale:
             print(f"{page.relative_to(ROOT)}: out of date; run `python scripts/gen_docs.py`", file=sys.stderr)
         return 1 if stale else 0
+    run_root = None
+    if len(argv) == 2 and argv[0] == "--tiny-run":
+        run_root, argv = Path(argv[1]).resolve(), []
     if argv:
         print(__doc__, file=sys.stderr)
         return 2
-    for page, text in expected_pages().items():
+    for page, text in expected_pages(run_root).items():
         if not page.is_file() or page.read_text() != text:
             page.write_text(text)
             print(f"wrote {page.relative_to(ROOT)}")
