@@ -33,6 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 HELP_WIDTH = 100
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 REGION = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
 
 # What `draftlab plan` is told about the host in the pages: the figures then depend on the
@@ -149,7 +150,7 @@ def draftlab(command: str, width: int = HELP_WIDTH) -> str:
         result = CliRunner().invoke(app, args, prog_name="draftlab")
     if result.exception and not isinstance(result.exception, SystemExit):
         raise RuntimeError(f"draftlab {command}: {result.exception!r}") from result.exception
-    text = result.output.replace(str(ROOT) + "/", "")
+    text = ANSI.sub("", result.output).replace(str(ROOT) + "/", "")  # no colour, even under FORCE_COLOR
     return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n") + "\n"
 
 
