@@ -202,16 +202,33 @@ def replay_spool(spool: Path) -> int:
 
     records = read_spool(spool)
     store = client()
+    # consecutive metric records of one run go 1,000 values a store write (MLflow's batch limit):
+    # one write per record took ~90 ms on a loaded 2-core VM, 4.4 h for the reference's 177 k steps
+    pending: list = []
+    pending_run: list = [None]
+
+    def flush():
+        for lo in range(0, len(pending), 1000):
+            store.log_batch(pending_run[0], metrics=pending[lo : lo + 1000])
+        pending.clear()
+
     for rec in records:
         if rec.kind == "metrics":
-            store.log_batch(rec.run_id, metrics=[
-                Metric(k, float(v), rec.timestamp, rec.step or 0) for k, v in rec.metrics.items()])
-        elif rec.kind == "params":
+            if rec.run_id != pending_run[0]:
+                flush()
+                pending_run[0] = rec.run_id
+            pending.extend(Metric(k, float(v), rec.timestamp, rec.step or 0) for k, v in rec.metrics.items())
+            if len(pending) >= 1000:
+                flush()
+            continue
+        flush()
+        if rec.kind == "params":
             store.log_batch(rec.run_id, params=[Param(k, v) for k, v in rec.params.items()])
         elif rec.kind == "tags":
             store.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
         else:
             store.log_artifact(rec.run_id, rec.path, rec.artifact_path)
+    flush()
     return len(records)
 
 

@@ -141,3 +141,31 @@ def test_after_an_outage_the_tracker_writes_again_and_a_second_import_adds_nothi
     assert replay_spool(spool) == replay_spool(spool) == 4
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
     assert history == [(s, 10.0 - s) for s in range(5)], "each step once, after two imports"
+
+
+def test_import_of_a_long_spool_of_two_runs_keeps_every_value_with_its_run_and_step(tmp_path, monkeypatch, store_uri):
+    """tracking-import sends consecutive metric records together (1,000 values a write): records
+    of two runs, interleaved with params, each land in their own run, every step once."""
+    import mlflow
+
+    from draftlab.rundir import append_spool
+    from draftlab.tracking import replay_spool
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    client = mlflow.MlflowClient(store_uri)
+    exp = client.create_experiment("x")
+    a, b = (client.create_run(exp).info.run_id for _ in range(2))
+    spool = tmp_path / "spool.jsonl"
+    for step in range(1200):  # 2,400 values of run a: more than one write
+        append_spool(spool, {"run_id": a, "kind": "metrics", "metrics": {"train/loss": step, "epoch": 0},
+                             "step": step, "timestamp": 1000 + step})
+        if step == 600:
+            append_spool(spool, {"run_id": a, "kind": "params", "params": {"world_size": "8"}})
+        if step % 400 == 0:
+            append_spool(spool, {"run_id": b, "kind": "metrics", "metrics": {"train/loss": -step}, "step": step,
+                                 "timestamp": 5})
+    assert replay_spool(spool) == 1200 + 1 + 3
+    assert [(m.step, m.value) for m in client.get_metric_history(a, "train/loss")] == [(s, s) for s in range(1200)]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(b, "train/loss")) == [(0, 0), (400, -400),
+                                                                                            (800, -800)]
+    assert client.get_run(a).data.params == {"world_size": "8"} and not client.get_run(b).data.params

@@ -226,3 +226,17 @@ def test_the_rank_writes_every_finite_step_to_the_run_folder(handler, tmp_path):
     steps = train_metrics.read(tmp_path)
     assert sorted(steps) == list(range(6)), "the MLflow run's resume point does not thin the run folder's record"
     assert steps[4] == {"step": 4, "train/loss": pytest.approx(2.6), "train/loss_0": pytest.approx(2.6), "epoch": 1}
+
+
+def test_a_long_run_logs_a_thinned_loss_curve_beside_every_step(tmp_path):
+    """train_mean/loss: the mean train/loss of each 1,000 global steps (and of the last, partial
+    stretch), at the stretch's last step; train/loss keeps every step."""
+    tracker = RecordingTracker()
+    plan = RankPlan(total_steps=2500, step_tokens=[100] * 2500, epoch_steps=[1250, 1250])
+    h = MetricsToTracker(tracker, plan, tmp_path)
+    for step in range(2500):
+        h.emit(_record(_train_msg(float(step), epoch=step // 1250), step))
+    h.tracker.close()
+    thinned = [(step, m["train_mean/loss"]) for step, m in tracker.metrics if "train_mean/loss" in m]
+    assert thinned == [(999, pytest.approx(499.5)), (1999, pytest.approx(1499.5)), (2499, pytest.approx(2249.5))]
+    assert [step for step, m in tracker.metrics if "train/loss" in m] == list(range(2500))

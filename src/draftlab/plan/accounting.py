@@ -111,11 +111,13 @@ def plan_epochs(
     world_size: int,
     epochs: int,
     seed: int,
+    batches: list[list[list[list[int]]]] | None = None,
 ) -> Accounting:
-    """Exact per-epoch steps, drops and per-rank sample sets for a train split of `lengths`."""
+    """Exact per-epoch steps, drops and per-rank sample sets for a train split of `lengths`.
+    `batches`: `rank_batches` of every (epoch, rank), when the caller has them already."""
     plans = []
     for epoch in range(epochs):
-        per_rank = [
+        per_rank = batches[epoch] if batches is not None else [
             rank_batches(lengths, total_seq_len=total_seq_len, world_size=world_size, rank=r, seed=seed, epoch=epoch)
             for r in range(world_size)
         ]
