@@ -11,6 +11,7 @@ the one place a user error (draftlab.errors.UserError) becomes one line and its 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -330,6 +331,29 @@ def summary(
     from draftlab.summary import show
 
     show(_load(params))
+
+
+@command()
+def status(
+    path: Annotated[Path, typer.Argument(help="A run folder (the train stage's --out) or a sweep's study folder.")]
+    = Path("runs/train"),
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until the job ends (Ctrl-C leaves).")]
+    = False,
+) -> None:
+    """Where a training or a sweep stands: state, step, ETA, loss trend, bottleneck, checkpoint, tracking."""
+    from draftlab import status as st
+
+    if watch:
+        info = st.watch(path)
+    else:
+        info = st.status(path)
+        if not as_json:
+            from draftlab.console import console
+
+            console.print(st.render(info))
+    if as_json:
+        typer.echo(json.dumps(info))
 
 
 @command("tracking-import")
