@@ -349,9 +349,9 @@ def status(
     else:
         info = st.status(path)
         if not as_json:
-            from draftlab.console import console
+            from rich.console import Console
 
-            console.print(st.render(info))
+            Console(highlight=False).print(st.render(info))  # the answer: stdout
     if as_json:
         typer.echo(json.dumps(info))
 

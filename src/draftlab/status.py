@@ -262,6 +262,10 @@ def status(path: Path) -> dict:
 # ------------------------------------------------------------------ rendering
 
 
+def _pct(x: float) -> str:
+    return f"{x * 100:+.0f}%".replace("-", "−")
+
+
 def _dur(s: float | None) -> str:
     if s is None:
         return "?"
@@ -272,6 +276,8 @@ def render(info: dict):
     from rich.table import Table
 
     t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
     if info["kind"] == "study":
         tr, b = info["trials"], info["budget"]
         t.add_row("study", f"{info['study']} ({info['path']})")
@@ -294,6 +300,8 @@ def render(info: dict):
         pct = f" ({info['percent']}%)" if info.get("percent") is not None else ""
         t.add_row("step", f"{info['step']:,} / {info.get('total_steps') or '?':,}{pct}, epoch {info.get('epoch')}"
                   + (f", updated {info['updated_s_ago']:.0f} s ago" if state == RUNNING else ""))
+    elif info.get("total_steps"):
+        t.add_row("step", f"– / {info['total_steps']:,} (no step yet)")
     if "eta" in info:
         e = info["eta"]
         rng = f" ({_dur(e['p10_s'])}–{_dur(e['p90_s'])})" if e.get("p10_s") is not None else ""
@@ -304,11 +312,11 @@ def render(info: dict):
         parts = []
         for k, v in info["losses"].items():
             trend = check.get(k)
-            parts.append(f"{k} {v:.3f}" + (f" ({trend['change'] * 100:+.0f}%, {trend['trend']})" if trend else ""))
+            parts.append(f"{k} {v:.3f}" + (f" ({_pct(trend['change'])}, {trend['trend']})" if trend else ""))
         t.add_row("loss", ", ".join(parts))
         if conv:
             overall = (conv.get("check") or {}).get("overall_change")
-            t.add_row("trend", conv["trend"] + (f" (loss {overall * 100:+.0f}% since warmup)" if overall is not None else ""))
+            t.add_row("trend", conv["trend"] + (f" (loss {_pct(overall)} since warmup)" if overall is not None else ""))
     if info.get("bottleneck"):
         b = info["bottleneck"]
         ev = b.get("evidence") or {}
@@ -327,12 +335,11 @@ def render(info: dict):
 
 def watch(path: Path, every_s: float = 2.0) -> dict:
     """Refresh in place until the job is no longer running (or Ctrl-C); the last status."""
+    from rich.console import Console
     from rich.live import Live
 
-    from draftlab.console import console
-
     info = status(path)
-    with Live(render(info), console=console, refresh_per_second=4) as live:
+    with Live(render(info), console=Console(highlight=False), refresh_per_second=4) as live:
         try:
             while info.get("state") == RUNNING or (info["kind"] == "study" and info["trials"]["running"]):
                 time.sleep(every_s)

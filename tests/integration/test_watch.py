@@ -17,9 +17,10 @@ import yaml
 from draftlab.rundir import RunDir
 from tests.waiting import wait_for
 
-# lr 8 with no schedule on the session's tiny pipeline: epoch 0 (steps 0-6) trains, and its
-# checkpoint is written, then the loss turns NaN in epoch 1 (deterministic: seeded, CPU)
-DIVERGING_LR = 8.0
+# lr 18 with no schedule on the session's tiny pipeline: the loss is finite for 5 steps and NaN at
+# global step 5; a checkpoint every half epoch (checkpoint_freq 0.5) is written after step 4
+# (deterministic: seeded, CPU). At lr 10–16 this target's draft survives its early spike.
+DIVERGING_LR, HALF_EPOCH = 18.0, 0.5
 
 
 def _params(built, **train):
@@ -66,7 +67,7 @@ def test_a_far_too_large_lr_diverges_stops_in_one_line_and_keeps_the_good_checkp
     from draftlab.training.job import last_global_step
 
     out = tmp_path / "diverge"
-    params = _params(built, lr=DIVERGING_LR, scheduler="none")
+    params = _params(built, lr=DIVERGING_LR, scheduler="none", checkpoint_freq=HALF_EPOCH)
     proc = _cli_train(built, params, tmp_path, out)
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 3, text[-3000:]

@@ -5,7 +5,7 @@ as `conclude` does for the whole run at its end.
 Each window's verdict goes to MLflow as it is computed (tag `draftlab.bottleneck.window`, metrics
 `bottleneck/<figure>` at the window's last step) and to `<run>/bottleneck-live.json` (for
 `draftlab status`). The first window after the convergence watch's first trend check prints the
-go/no-go line:
+go/no-go line (at the first trend check, if that comes after the first window):
 
     train: 2% — learning (loss −18% since warmup), compute-bound, ETA 34.6 h (33.9–35.2)
 
@@ -71,6 +71,8 @@ class _Tail:
 
 
 class LiveVerdict:
+    SAY_POLL_S = 2.0  # how often, once a window has a verdict, progress.json is read for the first trend
+
     def __init__(self, sampler, run_dir: Path, tracker, *, window_s: float = 60.0, console=None):
         self.sampler, self.run_dir, self.tracker, self.window_s = sampler, Path(run_dir), tracker, window_s
         self.console = console
@@ -95,9 +97,14 @@ class LiveVerdict:
         from draftlab.threads import yield_cpu
 
         yield_cpu()
-        while not self._stop.wait(self.window_s):
+        next_window = time.monotonic() + self.window_s
+        while not self._stop.wait(min(self.SAY_POLL_S, self.window_s)):
             try:
-                self.window()
+                if time.monotonic() >= next_window:
+                    next_window += self.window_s
+                    self.window()
+                if self.windows and not self.said:  # the trend may be judged after the first window
+                    self._say(self.windows[-1]["label"])
             except Exception:  # noqa: BLE001 — the verdict must never stop the run it watches
                 continue
 
@@ -124,7 +131,6 @@ class LiveVerdict:
         self.tracker.set_tags({TAG: v.label})
         if rec["figures"] and w.last_step is not None:
             self.tracker.log_metrics({f"bottleneck/{k}": float(x) for k, x in rec["figures"].items()}, step=w.last_step)
-        self._say(v.label)
         return rec
 
     def _say(self, label: str) -> None:

@@ -19,6 +19,7 @@ Observers (rank-local, no effect on what the trainer computes):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -230,8 +231,6 @@ class MetricsToTracker(logging.Handler):
 def write_quick(path: Path, obj: dict) -> None:
     """Atomic (a reader sees the old file or the new one) without fsync: a progress record
     outlives no power cut, and an fsync a second would cost the trainer's thread."""
-    import json
-
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
@@ -272,6 +271,7 @@ class ConvergenceGuard(logging.Handler):
         step = getattr(record, "step", -1)
         bad = conv.non_finite(train)
         if bad is not None:
+            self._last_progress(step, train, record.msg.get("epoch"), conv.DIVERGED)
             self.stop(conv.DIVERGED, f"train/{bad[0]} is {bad[1]} at global step {step} "
                       f"(epoch {record.msg.get('epoch')}): training stopped; the last good checkpoint is kept")
         check = self.watch.observe(step, train)
@@ -285,6 +285,7 @@ class ConvergenceGuard(logging.Handler):
                 if self.tags is not None:
                     self.tags({conv.TAG: check.state})
         if check.state in self.stop_on:
+            self._last_progress(step, train, record.msg.get("epoch"), check.state)
             self.stop(check.state, f"train: loss {check.state} at global step {step} ({check.line()}): "
                       f"stopped by train.watch.stop_on")
 
@@ -296,6 +297,20 @@ class ConvergenceGuard(logging.Handler):
         if self.writer and self.tags is not None:
             self.tags({conv.TAG: state})
         raise (Diverged if state == conv.DIVERGED else WatchStop)(msg)
+
+    def _last_progress(self, step: int, train: dict, epoch, state: str) -> None:
+        """progress.json at the step that stops the run (the tracker's handler never sees it)."""
+        if not self.writer:
+            return
+        path = RunDir(self.run_dir).progress.path
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rec = {"total_steps": self.total_steps}
+        rec.update(step=step, epoch=int(epoch or 0), updated_at=time.time(), convergence=state,
+                   losses={k: float(v) for k, v in train.items() if k == "loss" or k.startswith("loss_")},
+                   trend=self.watch.last.to_json() if self.watch.last else None)
+        write_quick(path, rec)
 
     def refuse_checkpoint(self) -> None:
         self.stop(conv.DIVERGED, "non-finite weights before a checkpoint: training stopped; the last good "
@@ -407,6 +422,10 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    # run the module `draftlab.training.rank`, not this second copy named __main__: its classes
+    # are then the ones other modules (and tests/integration/test_watch.py's hold) see
+    from draftlab.training.rank import exit_now, main
+
     try:
         main(sys.argv[1:])
         exit_code = 0
