@@ -127,7 +127,7 @@ def run_status(path: Path) -> dict:
     if not path.is_dir() or not is_run(path):
         raise StatusError(f"{path}: not a run folder (no run.json, plan.json or train.json) nor a study folder "
                           "(no journal.log); pass the train stage's --out or a sweep's study folder")
-    plan = _json(rd.plan.path) or {}
+    launched = rd.plan.path.exists()  # plan.json holds every step's tokens: not read (10^5 steps: MBs)
     prog_raw = _json(rd.progress.path)
     try:
         prog = Progress.model_validate(prog_raw) if prog_raw else None
@@ -137,7 +137,7 @@ def run_status(path: Path) -> dict:
     done = _json(rd.train.path)
     launch = _json(rd.launch_file().path)
     alive = _lock_held(rd.lock_path()) or bool(launch and launch.get("pgid") and _group_alive(launch["pgid"]))
-    plan_mtime = rd.plan.path.stat().st_mtime if rd.plan.path.exists() else 0.0
+    plan_mtime = rd.plan.path.stat().st_mtime if launched else 0.0
     if alive:
         state = RUNNING
     elif failure is not None:
@@ -145,14 +145,15 @@ def run_status(path: Path) -> dict:
         state = DIVERGED if reason == "diverged" else STOPPED if reason in ("stalled", "diverging") else FAILED
     elif done is not None and rd.train.path.stat().st_mtime >= plan_mtime:
         state = FINISHED
-    elif plan:
+    elif launched:
         state = STALE  # launched, nothing alive, no end record: killed
     else:
         state = STARTING
     out: dict = {"kind": "run", "path": str(path), "state": state}
     if failure is not None and state != RUNNING:
         out["why"] = failure.get("message")
-    total = plan.get("total_steps") or (done or {}).get("total_steps")
+    total = (prog.total_steps if prog is not None else None) or (done or {}).get("total_steps") or \
+        (_json(rd.accounting.path) or {}).get("total_steps")
     out["total_steps"] = total
     if prog is not None:
         age = time.time() - prog.updated_at
