@@ -207,10 +207,11 @@ class Watch(Section):
         "null = 1 % of the run's steps, at least 5 and at most 500.")
     stall_frac: PositiveFloat = Field(
         0.02, description="A loss (median of a window) that has not fallen below its early window's by more "
-        "than this fraction, nor by more than the early window's own spread, is `stalled` (lr 0, frozen weights).")
+        "than this fraction and more than the noise (2.5 standard errors of the difference of the two "
+        "medians) is `stalled` (lr 0, frozen weights).")
     diverge_frac: PositiveFloat = Field(
         0.10, description="A loss that has risen above its early window's by more than this fraction, and "
-        "more than that window's spread, is `diverging`.")
+        "more than the noise, is `diverging`.")
     stop_on: list[Literal["stalled", "diverging"]] = Field(
         default_factory=list, description="Trends that also stop the run (exit 5, tag draftlab.convergence). "
         "A NaN or inf loss always stops it (exit 3). A sweep's trials stop on both, so their budget goes to others.")
