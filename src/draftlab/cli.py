@@ -11,7 +11,6 @@ the one place a user error (draftlab.errors.UserError) becomes one line and its 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -353,7 +352,7 @@ def status(
 
             Console(highlight=False).print(st.render(info))  # the answer: stdout
     if as_json:
-        typer.echo(json.dumps(info))
+        typer.echo(st.to_json(info))
 
 
 @command("tracking-import")

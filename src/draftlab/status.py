@@ -260,6 +260,23 @@ def status(path: Path) -> dict:
     return run_status(path)
 
 
+def to_json(info: dict) -> str:
+    """One JSON object; a NaN or inf (a diverged run's last loss) as a string, which strict
+    readers (jq) accept."""
+    import math
+
+    def fix(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fix(v) for v in x]
+        return x
+
+    return json.dumps(fix(info), allow_nan=False)
+
+
 # ------------------------------------------------------------------ rendering
 
 

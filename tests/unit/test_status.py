@@ -163,3 +163,13 @@ def test_a_live_window_goes_to_mlflow_and_the_run_folder(tmp_path):
 def _with_run(path: Path) -> Path:
     RunDir(path).run.write(RunState(key="k", run_id="r"))
     return path
+
+
+def test_json_of_a_diverged_run_is_strict_json(tmp_path):
+    rd = _run_folder(tmp_path / "run")
+    rd.failure.write(Failure(reason="diverged", message="train/loss_0 is nan at global step 9 (epoch 1)"))
+    prog = rd.progress.read()
+    rd.progress.write(prog.model_copy(update={"losses": {"loss_0": float("nan"), "loss": float("inf")}}))
+    res = CliRunner().invoke(app, ["status", str(rd.path), "--json"])
+    info = json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert info["losses"] == {"loss_0": "nan", "loss": "inf"}
