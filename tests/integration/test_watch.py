@@ -180,3 +180,23 @@ def test_status_from_another_process_shows_the_progress_then_the_end(built, tmp_
     code, info = _status(out)
     assert code == 0 and info["state"] == "finished" and info["step"] == 21
     assert info["bottleneck"]["label"]
+
+
+def test_a_sweep_trial_whose_training_diverges_reports_it_for_pruning(built, tmp_path, mlflow_store):
+    """The real trial process (`python -m draftlab.sweep.trial`, as the sweep starts it): its
+    training diverges, and the outcome the sweep reads says so (the loop prunes it at once:
+    tests/unit/test_sweep_watch.py)."""
+    from draftlab.sweep.budget import TrialSpec
+    from draftlab.sweep.trial import ProcessLauncher
+
+    _, target_dir, data_dir, store_dir = built
+    params = _params(built, lr=DIVERGING_LR, scheduler="none", checkpoint_freq=HALF_EPOCH,
+                     watch={"stop_on": ["stalled", "diverging"]})
+    launcher = ProcessLauncher(study="watch", metric="val/loss", target_dir=target_dir, data_dir=data_dir,
+                               store_dir=store_dir, parent_run_id=None, gpu_slots=False, total_slots=2)
+    handle = launcher.start(TrialSpec(number=1, values={"train.lr": DIVERGING_LR}, params=params,
+                                      devices=["cpu0", "cpu1"], role="search", trial_dir=tmp_path / "trial-0001"))
+    out = wait_for(handle.poll, 900, "the trial process to end")
+    assert not out.ok and out.convergence == "diverged", out
+    assert "is nan" in out.message
+    assert mlflow_store.get_run(out.run_id).data.tags["draftlab.convergence"] == "diverged"
