@@ -39,8 +39,9 @@ def default_window(total_steps: int) -> int:
 
 
 def non_finite(train: dict) -> tuple[str, float] | None:
-    """The first loss or grad-norm metric of a step's `train` record that is NaN or inf."""
-    for key, value in train.items():
+    """The first loss or grad-norm metric of a step's `train` record that is NaN or inf (the
+    total `loss` first: it is the one a user knows)."""
+    for key, value in sorted(train.items(), key=lambda kv: kv[0] != "loss"):
         if (key == "loss" or key.startswith("loss_") or "grad_norm" in key) and isinstance(value, float | int):
             if not math.isfinite(value):
                 return key, float(value)
