@@ -332,6 +332,29 @@ def summary(
     show(_load(params))
 
 
+@command()
+def status(
+    path: Annotated[Path, typer.Argument(help="A run folder (the train stage's --out) or a sweep's study folder.")]
+    = Path("runs/train"),
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until the job ends (Ctrl-C leaves).")]
+    = False,
+) -> None:
+    """Where a training or a sweep stands: state, step, ETA, loss trend, bottleneck, checkpoint, tracking."""
+    from draftlab import status as st
+
+    if watch:
+        info = st.watch(path)
+    else:
+        info = st.status(path)
+        if not as_json:
+            from rich.console import Console
+
+            Console(highlight=False).print(st.render(info))  # the answer: stdout
+    if as_json:
+        typer.echo(st.to_json(info))
+
+
 @command("tracking-import")
 def tracking_import(
     spool: Annotated[Path, typer.Argument(help="A spool written while MLflow was unreachable.")],

@@ -198,6 +198,25 @@ class Extract(Section):
         return ids
 
 
+class Watch(Section):
+    """The convergence watch of a training (draftlab.training.watch): NaN/inf and the loss trend."""
+
+    window_steps: PositiveInt | None = Field(
+        None, description="Steps in each window the trend compares: the early window right after warm-up "
+        "(train.warmup_steps) and the latest one at each check, every window_steps steps. "
+        "null = 1 % of the run's steps, at least 5 and at most 500.")
+    stall_frac: PositiveFloat = Field(
+        0.02, description="A loss (median of a window) that has not fallen below its early window's by more "
+        "than this fraction and more than the noise (2.5 standard errors of the difference of the two "
+        "medians) is `stalled` (lr 0, frozen weights).")
+    diverge_frac: PositiveFloat = Field(
+        0.10, description="A loss that has risen above its early window's by more than this fraction, and "
+        "more than the noise, is `diverging`.")
+    stop_on: list[Literal["stalled", "diverging"]] = Field(
+        default_factory=list, description="Trends that also stop the run (exit 5, tag draftlab.convergence). "
+        "A NaN or inf loss always stops it (exit 3). A sweep's trials stop on both, so their budget goes to others.")
+
+
 class Train(Section):
     """Draft training with speculators' trainer under torchrun (see README: step accounting)."""
 
@@ -221,8 +240,9 @@ class Train(Section):
         "timing only (tagged draftlab.calibration; evaluate says so, export refuses it). With epochs: 2 it "
         "times one epoch boundary; each epoch after the limit still trains one step (draftlab.training.compat)."
     )
-    lr: PositiveFloat = Field(
-        3e-3, description="Base learning rate at `lr_base_gpus` data-parallel ranks (before scaling)."
+    lr: float = Field(
+        3e-3, ge=0, description="Base learning rate at `lr_base_gpus` data-parallel ranks (before scaling); "
+        "0 trains nothing (the convergence watch reports it `stalled`)."
     )
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "none",
@@ -259,6 +279,8 @@ class Train(Section):
         "store's manifest: `sha256` (size, header and content hash; README: loader verification) or "
         "`header` (size and header only). The first bad file stops the run, named.",
     )
+    watch: Watch = Field(default_factory=Watch, description="The convergence watch: a NaN/inf loss stops the "
+                         "run; after warm-up each TTT position's loss trend is `learning`, `stalled` or `diverging`.")
 
     @model_validator(mode="after")
     def _nodes(self) -> Train:

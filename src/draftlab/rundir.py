@@ -16,6 +16,7 @@ pydantic model here, and its name is known only here:
     <run>/command.json              Command        the torchrun command line
     <run>/timing.json               Timing         the cost model's measurements of the run
     <run>/rank0-done.json           RankDone       rank 0 → the launcher: its observers' CPU time
+    <run>/progress.json             Progress       rank 0 → `draftlab status`, the live verdict: step, ETA, trend
     <run>/train.json                TrainRecord    train → evaluate, export, sweep trials
     <run>/tracking-spool.jsonl      SpoolRecord    MLflow calls kept during an outage → tracking-import
     <run>/samples/rank<r>.jsonl     (lines)        each rank's sampler → the launcher's sharding check
@@ -239,6 +240,8 @@ class RankPlan(Record):
     optimizer: str = Field("AdamW", description="speculators' optimizer name, as in its `lr/<optimizer>` metric")
     store_dir: str | None = Field(None, description="the store whose manifest every rank's reads are checked against")
     verify_reads: Literal["sha256", "header"] = "sha256"
+    warmup_steps: int = Field(0, description="train.warmup_steps: the convergence watch's early window starts here")
+    watch: dict[str, Any] | None = Field(None, description="train.watch (draftlab.training.watch); null: no watch")
 
 
 class EpochRecord(Record):
@@ -285,6 +288,24 @@ class Command(Record):
 
 class Timing(RootModel[dict[str, float]]):
     """costmodel.step_timing of a run (timing/* in MLflow)."""
+
+
+class Progress(Record):
+    """Rank 0 → `draftlab status` and the launcher's live verdict: where the training is now
+    (rewritten about once a second, at each trend check and at the last step)."""
+
+    step: int
+    total_steps: int
+    epoch: int = 0
+    updated_at: float = Field(description="time.time() of the write")
+    eta_s: float | None = None
+    eta_p10_s: float | None = None
+    eta_p90_s: float | None = None
+    losses: dict[str, float] = Field(default_factory=dict, description="the step's train/loss and train/loss_k")
+    convergence: str = Field("warming up", description="draftlab.training.watch: warming up, learning, "
+                             "stalled, diverging or diverged")
+    trend: dict[str, Any] | None = Field(None, description="the last trend check (watch.Check.to_json)")
+    experiment_id: str | None = None
 
 
 class RankDone(Record):
@@ -398,6 +419,7 @@ class RunDir(_Folder):
     samples_dir = _path("samples", "each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out")
     pids_dir = _path("pids", "each process's `<name>.json` (pid, start time): a killed launcher's ranks")
     bottleneck_path = _path("bottleneck.json", "the bottleneck verdict and its evidence (telemetry.conclude)")
+    progress = _file("progress.json", Progress, "rank 0 rewrites it while it trains")
     step_metrics_path = _path("metrics.jsonl", "rank 0's train/* metrics, one JSON line a global step (train_metrics)")
 
     def lock_path(self, node_rank: int = 0) -> Path:
@@ -440,6 +462,8 @@ class TrialResult(Record):
     timing: dict[str, float] | None = None
     wall_s: float | None = None
     message: str | None = None
+    convergence: str | None = Field(None, description="why the convergence watch stopped the training "
+                                    "(diverged, stalled, diverging): the sweep prunes the trial")
 
 
 class TrialDir(_Folder):

@@ -128,14 +128,39 @@ def test_step_phases_reach_mlflow_as_each_epochs_mean_at_its_last_step(handler):
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf])
-def test_a_non_finite_loss_stops_training_and_says_where(handler, tmp_path, loss):
+@pytest.mark.parametrize("writer", [True, False])
+def test_a_non_finite_loss_stops_training_and_says_where(handler, tmp_path, loss, writer):
+    from draftlab.training.rank import ConvergenceGuard
+
     h, tracker = handler
+    plan = RankPlan(total_steps=6, step_tokens=[100] * 6, epoch_steps=[3, 3], watch={})
+    guard = ConvergenceGuard(plan, tmp_path, writer=writer)
+    guard.tags = h.tracker.set_tags if writer else None
     with pytest.raises(FloatingPointError, match=rf"train/loss is {loss} at global step 4 \(epoch 1\)"):
-        h.emit(_record(_train_msg(loss, epoch=1), 4))
-    failure = RunDir(tmp_path).failure.read()
-    assert failure.reason == "non-finite loss" and "global step 4" in failure.message
+        for hd in (guard, h):  # as the rank attaches them: the guard first
+            hd.emit(_record(_train_msg(loss, epoch=1), 4))
+    failure = RunDir(tmp_path).failure.read()  # every rank writes it: the first one out may end the group
+    assert failure.reason == "diverged" and "global step 4" in failure.message
     h.tracker.close()
     assert not any(step == 4 for step, _ in tracker.metrics)
+    assert tracker.tags.get("draftlab.convergence") == ("diverged" if writer else None)
+
+
+def test_the_guard_says_each_change_of_trend_once_and_tags_it(handler, tmp_path, capsys):
+    from draftlab.training.rank import ConvergenceGuard
+
+    h, tracker = handler
+    plan = RankPlan(total_steps=40, step_tokens=[100] * 40, epoch_steps=[40], watch={"window_steps": 5})
+    guard = ConvergenceGuard(plan, tmp_path, writer=True)
+    guard.tags = h.tracker.set_tags
+    losses = [4.0 - 0.05 * s for s in range(20)] + [3.0 + 0.3 * s for s in range(20)]  # learns, then rises
+    for step, loss in enumerate(losses):
+        guard.emit(_record(_train_msg(loss), step))
+    h.tracker.close()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: step")]
+    assert len(said) == 2 and "learning" in said[0] and "diverging" in said[1]
+    assert tracker.tags["draftlab.convergence"] == "diverging"
+    assert not RunDir(tmp_path).failure.exists(), "a trend stops nothing unless train.watch.stop_on says so"
 
 
 # ---------------------------------------------------------------- a killed launcher's leftovers

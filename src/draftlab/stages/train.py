@@ -29,6 +29,7 @@ from draftlab.training.job import (
     TrainingFailed,
     TrainResult,
     accounting_table,
+    failed_error,
     last_global_step,
     observed_samples,
     plan,
@@ -174,7 +175,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
             val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
             optimizer={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer], store_dir=str(store_dir),
-            verify_reads=params.train.verify_reads))
+            verify_reads=params.train.verify_reads, warmup_steps=params.train.warmup_steps,
+            watch=params.train.watch.model_dump()))
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
                                 store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
@@ -183,6 +185,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         cmd = launch.torchrun_cmd(params, argv)
         rd.command.write(Command(cmd=cmd))
         rd.failure.unlink()
+        rd.progress.unlink()
+        (out_dir / "bottleneck-live.json").unlink(missing_ok=True)
         from draftlab import threads
 
         # the ranks on this node split this process's threads (torchrun would give each 1, or
@@ -197,15 +201,18 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         mlflow.set_system_metrics_sampling_interval(2)
         mlflow.set_tracking_uri(tracking.tracking_uri())  # the fluent run below carries MLflow's system metrics
         from draftlab.observe import bottleneck, telemetry
+        from draftlab.observe.live import LiveVerdict
 
         with mlflow.start_run(run_id=run_id, log_system_metrics=True):
             threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
+            live_verdict = LiveVerdict(sampler, out_dir, tracker, console=console).start()  # observe.live
             try:
                 procs.clear_recorded(out_dir)
                 rd.rank_done.unlink()
                 rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file().write(Launch(pgid=p.pid)))
             finally:
+                live_verdict.stop()
                 sampler.stop()
                 procs.kill_recorded(out_dir)  # a rank that outlived torchrun (it should not) goes now
         rd.launch_file().unlink()
@@ -215,10 +222,12 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         if rc != 0:
             failure = rd.failure.peek()
             why = failure.message if failure is not None else f"torchrun exited with {rc}"
+            if failure is not None and failure.reason in ("diverged", "stalled", "diverging"):
+                tracker.set_tags({"draftlab.convergence": failure.reason})  # rank 0 may have been stopped first
             client.set_terminated(run_id, "FAILED")
             logs = rd.logs  # speculators creates it late: name it only if it is there
             see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
-            raise TrainingFailed(f"train: {why}; {see}")
+            raise failed_error(failure)(f"train: {why}; {see}")
 
         if params.train.nnodes > 1:
             from draftlab.training.nodes import wait_for_writer

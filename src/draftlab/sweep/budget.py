@@ -59,6 +59,7 @@ class Outcome:
     run_id: str | None = None
     message: str = ""
     timing: dict | None = None  # costmodel.step_timing of the trial's training (its timing/* metrics)
+    convergence: str | None = None  # the convergence watch stopped its training: diverged, stalled, diverging
 
 
 class Handle(Protocol):

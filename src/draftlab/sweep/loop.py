@@ -228,6 +228,14 @@ class Worker:
                 self.closing = (f"calibration at {n} GPU(s) did not finish within {r.deadline - r.started:,.0f} s; "
                                 "raise calibration.max_s or the budget, or lower calibration.steps")
             return
+        if out.convergence is not None and r.spec.role == "search":  # the watch stopped it: pruned at once
+            left = f"; {r.predicted_s - out.wall_s:,.0f} s of its predicted {r.predicted_s:,.0f} s released" \
+                if r.predicted_s else ""
+            t.set_user_attr("status", "pruned")
+            t.set_user_attr("reason", f"loss {out.convergence} (train.watch): stopped after {out.wall_s:,.0f} s{left}")
+            self.study.tell(t, state=TrialState.PRUNED)
+            self.log(f"trial {t.number}: pruned, loss {out.convergence} after {out.wall_s:,.0f} s{left}")
+            return
         if not out.ok or (out.objective is None and r.spec.role != "calibration"):
             t.set_user_attr("status", "failed")
             t.set_user_attr("reason", out.message or "trial process failed")
@@ -303,6 +311,8 @@ class Worker:
             steps = int(trial.user_attrs.get("calibration_steps") or self.spec.calibration.steps)
             run_values = calibration.run_values(values, steps)
         params = trial_params(self.base, run_values)
+        if role == "search" and not params.train.watch.stop_on:  # a stalled or diverging trial ends at once
+            params = trial_params(self.base, {**run_values, "train.watch.stop_on": ["stalled", "diverging"]})
         self._describe(trial, role, params)
         return Pending(trial, values, params, role)
 

@@ -226,6 +226,8 @@ def check_spec(spec: SweepSpec, base: Params, *, num_devices: int, calibrated: s
                 trial_params(base, {key: value})
             except ParamsError as err:
                 raise SpaceError(f"space.{key} = {value!r}: {str(err).split(': ', 1)[-1]}") from None
+            if key == "train.lr" and value <= 0:  # valid params (the watch calls it stalled), never worth a trial
+                raise SpaceError(f"space.{key} = {value!r}: an lr of 0 trains nothing; the range must be above 0")
     gpus = spec.space.get("train.gpus")
     if gpus is not None and gpus.choices is None:
         raise SpaceError("space.train.gpus: declare choices, e.g. {choices: [1, 2, 4, 8]}; each count is "

@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result, rc = TrialResult(ok=False, message="stopped by the sweep (SIGTERM)"), 143
     except UserError as err:  # bad params, a training that failed its checks, …: its one line
         result, rc = TrialResult(ok=False, message=str(err)), err.exit_code
+        failure = trial.train.failure.peek()
+        if failure is not None and failure.reason in ("diverged", "stalled", "diverging"):
+            result.convergence = failure.reason
     except Exception as err:  # noqa: BLE001 — the sweep records why and goes on
         result, rc = TrialResult(ok=False, message=f"{type(err).__name__}: {err}"), 1
     if result.wall_s is None:
@@ -170,7 +173,8 @@ class ProcessHandle:
             _mark_run(self.trial_dir, "KILLED" if rc < 0 or rc == 143 else "FAILED")
         message = res.message or f"trial process exited with {rc}; see {trial.log_path}"
         wall = res.wall_s if res.wall_s is not None else time.time() - self._started
-        return Outcome(res.ok, res.objective, float(wall), res.run_id or self.run_id(), message, res.timing)
+        return Outcome(res.ok, res.objective, float(wall), res.run_id or self.run_id(), message, res.timing,
+                       convergence=res.convergence)
 
     def run_id(self) -> str | None:
         """The training's MLflow run, from the run folder as soon as the launcher wrote it."""

@@ -27,11 +27,12 @@ the first bad file stops the rank with its name and the repair command
 (:class:`HiddenStateFileError`), instead of a ``SafetensorError`` traceback or silent training
 on altered data.
 
-Four observers reach into speculators' internals, so they live here too, each behind the
+Five observers reach into speculators' internals, so they live here too, each behind the
 version check: :func:`record_sampler_batches` (what the packing sampler hands each rank per
 epoch, for the sharding check), :func:`metric_flattener` (the trainer's own ``_flatten_dict``
 for its nested metric records), :func:`before_checkpoint` (a hook on
-``Trainer.maybe_save_checkpoint``) and :func:`sampler_class` (the packing sampler, loaded from
+``Trainer.maybe_save_checkpoint``), :func:`refuse_non_finite_checkpoint` (the watch's guard
+on the same method) and :func:`sampler_class` (the packing sampler, loaded from
 its file alone when speculators is not imported, so ``draftlab plan`` skips the package's
 10–25 s import).
 
@@ -319,6 +320,39 @@ def before_checkpoint(hook: Callable[[], None]) -> None:
         return stock(self, *args, **kwargs)
 
     Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+
+
+def refuse_non_finite_checkpoint(refuse: Callable[[], None]) -> None:
+    """Before every ``Trainer.maybe_save_checkpoint``, call ``refuse()`` (which raises) when any
+    weight of the model is NaN or inf on any rank, so the checkpoint folder keeps the last good
+    weights (speculators writes a checkpoint over the one of the same epoch). The flag is
+    all-reduced: every rank refuses together, none is left waiting in the save's collectives."""
+    check_speculators_version()
+    from speculators.train.trainer import Trainer
+
+    stock = Trainer.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, *args, **kwargs):
+        if not weights_finite(self.model):
+            refuse()
+        return stock(self, *args, **kwargs)
+
+    Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+
+
+def weights_finite(model) -> bool:
+    """Whether every parameter of ``model`` (this rank's shard under FSDP) is finite on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        ok = all(bool(torch.isfinite(p).all()) for p in local)
+        if dist.is_available() and dist.is_initialized():  # on the weights' device: NCCL has no CPU tensors
+            flag = torch.tensor([1.0 if ok else 0.0], device=local[0].device if local else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+    return ok
 
 
 def _standalone_sampler_module():

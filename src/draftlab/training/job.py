@@ -22,6 +22,25 @@ class TrainingFailed(UserError, RuntimeError):
     exit_code = 1
 
 
+class TrainingDiverged(TrainingFailed):
+    """A NaN or inf loss stopped the run (train.watch); the last good checkpoint is kept."""
+
+    exit_code = 3
+
+
+class TrainingStopped(TrainingFailed):
+    """The convergence watch stopped the run on a trend in train.watch.stop_on (stalled, diverging)."""
+
+    exit_code = 5
+
+
+def failed_error(failure) -> type[TrainingFailed]:
+    """The error a failed training raises, by the rank's failure record (rundir.Failure or None)."""
+    reason = failure.reason if failure is not None else None
+    return {"diverged": TrainingDiverged, "stalled": TrainingStopped, "diverging": TrainingStopped}.get(
+        reason, TrainingFailed)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     run_id: str
@@ -43,9 +62,9 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
     from draftlab.store.capture import dataset_fingerprint
 
-    # verify_reads changes what is checked, not what is trained, and the rendezvous's address and
+    # verify_reads and the watch change what is checked, not what is trained, and the rendezvous's address and
     # this node's rank where it runs: a run folder stays resumable across them
-    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint"}),
+    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint", "watch"}),
               "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
     return store.store_key(fields)

@@ -9,25 +9,34 @@ Observers (rank-local, no effect on what the trainer computes):
   the run folder (RunDir.samples_file) — the launcher checks them disjoint and complete;
 - global rank 0, on whichever node it runs, logs speculators' metric records into the MLflow run
   node 0's launcher opened (its id read from the shared run folder's run.json) with perf/* figures
-  derived from the step accounting, skips steps already logged before a resume, and stops the run
-  on a NaN/inf loss; it also appends each step's train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl`
-  once (draftlab.training.metrics).
+  derived from the step accounting and skips steps already logged before a resume; it also appends
+  each step's train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl` once (draftlab.training.metrics)
+  and keeps `progress.json` (step, ETA, trend) for `draftlab status`;
+- every rank runs the convergence watch (draftlab.training.watch) on the same all-reduced metrics:
+  a NaN/inf loss stops every rank at the same step (exit 3), a trend in train.watch.stop_on too
+  (exit 5), and no checkpoint with non-finite weights is written over the last good one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from draftlab.plan.run_timing import Eta
-from draftlab.rundir import Failure, RankDone, RankPlan, RunDir
+from draftlab.rundir import Failure, Progress, RankDone, RankPlan, RunDir
 from draftlab.training import compat
 from draftlab.training import metrics as train_metrics
+from draftlab.training import watch as conv
 from draftlab.training.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
+
+
+class _Tags:
+    def __init__(self, tags: dict):
+        self.tags = tags
 
 
 class _Background:
@@ -73,6 +82,9 @@ class _Background:
                 item = self.queue.get(timeout=wait)
                 if item is None:
                     done = True
+                elif isinstance(item, _Tags):
+                    self.tracker.set_tags(item.tags)
+                    continue
                 elif isinstance(item, threading.Event):  # drain(): send what is queued now
                     if pending:
                         self._send(pending)
@@ -90,6 +102,9 @@ class _Background:
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
+
+    def set_tags(self, tags: dict) -> None:
+        self.queue.put(_Tags(tags))
 
     def drain(self) -> None:
         """Block until every record queued so far is in the store."""
@@ -152,6 +167,9 @@ class MetricsToTracker(logging.Handler):
         self.steps = train_metrics.StepWriter(run_dir)  # the run folder's own copy, for evaluate
         self.phases: dict[str, list[float]] = {}  # this epoch's step phases so far
         self.thin: list[float] = []  # train/loss since the last train_mean/loss point
+        self.guard: ConvergenceGuard | None = None
+        self.progress_at = 0.0
+        self.experiment_id: str | None = None
 
     def emit(self, record):  # exceptions propagate on purpose: a NaN must stop training
         if getattr(record, "hparams", False):
@@ -164,11 +182,6 @@ class MetricsToTracker(logging.Handler):
             self.tracker.log_metrics({k: v for k, v in flat.items() if k.startswith("val/")}, step=step)
 
     def _train(self, step: int, flat: dict) -> None:
-        loss = flat["train/loss"]
-        if not math.isfinite(loss):
-            msg = f"train/loss is {loss} at global step {step} (epoch {flat.get('epoch')}): training stopped"
-            RunDir(self.run_dir).failure.write(Failure(reason="non-finite loss", message=msg))
-            raise FloatingPointError(msg)
         out = {k: v for k, v in flat.items() if k.startswith("train/")}
         out["epoch"] = flat.get("epoch", 0)
         self.steps.write(step, out)
@@ -202,6 +215,114 @@ class MetricsToTracker(logging.Handler):
             self.thin = []
         self.tracker.log_metrics(out, step=step)
         self.last_logged = step
+        self._progress(step, flat, out)
+
+    def _progress(self, step: int, flat: dict, out: dict) -> None:
+        """progress.json, about once a second (and at each trend check and the last step): the
+        trainer's thread writes it, so it stays fresh on a host whose CPUs the trainer fills."""
+        now = time.time()
+        checked = self.guard is not None and self.guard.checked_at == step
+        if now - self.progress_at < 1.0 and not checked and step != self.total_steps - 1:
+            return
+        self.progress_at = now
+        guard = self.guard
+        rec = Progress(step=step, total_steps=self.total_steps, epoch=int(flat.get("epoch", 0)), updated_at=now,
+                       eta_s=out.get("perf/eta_s"), eta_p10_s=out.get("perf/eta_p10_s"),
+                       eta_p90_s=out.get("perf/eta_p90_s"),
+                       losses={k[6:]: v for k, v in flat.items() if k.startswith("train/loss")},
+                       convergence=guard.watch.state if guard is not None else conv.WARMING_UP,
+                       trend=guard.watch.last.to_json() if guard is not None and guard.watch.last else None,
+                       experiment_id=self.experiment_id)
+        write_quick(RunDir(self.run_dir).progress.path, rec.model_dump(mode="json"))
+
+
+def write_quick(path: Path, obj: dict) -> None:
+    """Atomic (a reader sees the old file or the new one) without fsync: a progress record
+    outlives no power cut, and an fsync a second would cost the trainer's thread."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+class Diverged(FloatingPointError):
+    """A NaN/inf loss (or weights about to be checkpointed): the run stops on every rank."""
+
+
+class WatchStop(RuntimeError):
+    """A trend in train.watch.stop_on: the run stops on every rank."""
+
+
+class ConvergenceGuard(logging.Handler):
+    """Every rank: the convergence watch on the step's all-reduced metrics (every rank sees the same
+    values, so all stop at the same step), each writing the same failure.json. Rank 0 (`writer`)
+    also sets the draftlab.convergence tag (`tags`) and prints one line per change of trend."""
+
+    def __init__(self, plan: RankPlan, run_dir: Path, *, writer: bool):
+        super().__init__()
+        w = plan.watch or {}
+        self.watch = conv.ConvergenceWatch(warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
+                                           window_steps=w.get("window_steps"), stall_frac=w.get("stall_frac", 0.02),
+                                           diverge_frac=w.get("diverge_frac", 0.10))
+        self.stop_on = set(w.get("stop_on", ()))
+        self.total_steps = plan.total_steps
+        self.run_dir, self.writer = run_dir, writer
+        self.tags = None  # rank 0: the tracker's set_tags
+        self.checked_at = -1
+        self.said = conv.WARMING_UP
+
+    def emit(self, record):  # exceptions propagate on purpose: they stop training
+        if getattr(record, "hparams", False) or not isinstance(record.msg, dict):
+            return
+        train = record.msg.get("train")
+        if not isinstance(train, dict):
+            return
+        step = getattr(record, "step", -1)
+        bad = conv.non_finite(train)
+        if bad is not None:
+            self._last_progress(step, train, record.msg.get("epoch"), conv.DIVERGED)
+            self.stop(conv.DIVERGED, f"train/{bad[0]} is {bad[1]} at global step {step} "
+                      f"(epoch {record.msg.get('epoch')}): training stopped; the last good checkpoint is kept")
+        check = self.watch.observe(step, train)
+        if check is None:
+            return
+        self.checked_at = step
+        if check.state != self.said:
+            self.said = check.state
+            if self.writer:
+                print(f"train: step {step + 1}/{self.total_steps} — {check.line()}", file=sys.stderr, flush=True)
+                if self.tags is not None:
+                    self.tags({conv.TAG: check.state})
+        if check.state in self.stop_on:
+            self._last_progress(step, train, record.msg.get("epoch"), check.state)
+            self.stop(check.state, f"train: loss {check.state} at global step {step} ({check.line()}): "
+                      f"stopped by train.watch.stop_on")
+
+    def stop(self, state: str, msg: str) -> None:
+        # every rank writes the same record: the first rank out ends torchrun's group, maybe before
+        # rank 0 (slower: speculators' console handlers run there first) has seen the step
+        self.watch.state = state
+        RunDir(self.run_dir).failure.write(Failure(reason=state, message=msg))
+        if self.writer and self.tags is not None:
+            self.tags({conv.TAG: state})
+        raise (Diverged if state == conv.DIVERGED else WatchStop)(msg)
+
+    def _last_progress(self, step: int, train: dict, epoch, state: str) -> None:
+        """progress.json at the step that stops the run (the tracker's handler never sees it)."""
+        if not self.writer:
+            return
+        path = RunDir(self.run_dir).progress.path
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rec = {"total_steps": self.total_steps}
+        rec.update(step=step, epoch=int(epoch or 0), updated_at=time.time(), convergence=state,
+                   losses={k: float(v) for k, v in train.items() if k == "loss" or k.startswith("loss_")},
+                   trend=self.watch.last.to_json() if self.watch.last else None)
+        write_quick(path, rec)
+
+    def refuse_checkpoint(self) -> None:
+        self.stop(conv.DIVERGED, "non-finite weights before a checkpoint: training stopped; the last good "
+                  "checkpoint is kept")
 
 
 def main(argv: list[str]) -> None:
@@ -219,6 +340,10 @@ def main(argv: list[str]) -> None:
 
         compat.record_sampler_batches(RunDir(run_dir).samples_file(rank))
         handlers.append(CpuTimed(StepProfileRecorder(run_dir, rank)))
+        guard = ConvergenceGuard(plan, run_dir, writer=rank == 0) if plan.watch is not None else None
+        if guard is not None:
+            handlers.append(CpuTimed(guard))  # before the tracker's: a NaN step is not logged
+            compat.refuse_non_finite_checkpoint(guard.refuse_checkpoint)
         state = RunDir(run_dir).run.read_or_none() if rank == 0 else None
         run_id = state.run_id if state is not None else os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
@@ -226,6 +351,10 @@ def main(argv: list[str]) -> None:
 
             tracker = MlflowTracker(run_id, spool=RunDir(run_dir).spool_path)
             metrics = MetricsToTracker(tracker, plan, run_dir)
+            metrics.guard = guard
+            metrics.experiment_id = _experiment_id(tracker, run_id)
+            if guard is not None:
+                guard.tags = metrics.tracker.set_tags
             handlers.append(CpuTimed(metrics))
             # every step up to a checkpoint is in the store before the checkpoint exists: a rank
             # killed by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes
@@ -234,9 +363,12 @@ def main(argv: list[str]) -> None:
         verify_hidden_state_reads(Path(plan.store_dir), full=plan.verify_reads == "sha256")
     try:
         run_trainer(argv, metric_handlers=handlers)
-    except FloatingPointError as err:
-        print(f"draftlab: {err}", file=sys.stderr)
-        sys.exit(3)
+    except FloatingPointError as err:  # the launcher reads failure.json and says it once
+        if run_dir is None or not isinstance(err, Diverged):
+            print(f"draftlab: {err}", file=sys.stderr)
+        sys.exit(conv.EXIT_DIVERGED)
+    except WatchStop:
+        sys.exit(conv.EXIT_STOPPED)
     except HiddenStateFileError as err:
         msg = clean_message(err)
         if run_dir is not None:
@@ -254,6 +386,14 @@ def main(argv: list[str]) -> None:
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node))
+
+
+def _experiment_id(tracker, run_id: str) -> str | None:
+    """The run's experiment (for the UI link `draftlab status` prints); None if the store is down."""
+    try:
+        return tracker.client.get_run(run_id).info.experiment_id
+    except Exception:  # noqa: BLE001 — an outage: status prints the run id alone
+        return None
 
 
 def _cmdline(proc) -> list[str]:
@@ -290,6 +430,10 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    # run the module `draftlab.training.rank`, not this second copy named __main__: its classes
+    # are then the ones other modules (and tests/integration/test_watch.py's hold) see
+    from draftlab.training.rank import exit_now, main
+
     try:
         main(sys.argv[1:])
         exit_code = 0

@@ -7,23 +7,53 @@ Tearing down an interpreter that imported torch took about a second on a loaded 
 after the last step that every training's tail, ETA and plan pay. The launcher's own work
 (rendezvous shutdown, exit barrier, error records) is inside `torch.distributed.run.main` and
 runs as before; only the teardown of loaded modules is skipped (atexit handlers still run).
+
+A rank that stopped the run for a reason it wrote down (the run folder's failure.json: a NaN
+loss, a bad hidden-state file) already said why in one line: the elastic launcher's error report
+and traceback for it are not shown, and this process exits with that rank's code.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
+from pathlib import Path
+
+
+class _SaidWhy(logging.Filter):
+    """Drops the elastic launcher's records once a rank has written the run's failure record."""
+
+    def __init__(self):
+        super().__init__()
+        run_dir = os.environ.get("DRAFTLAB_RUN_DIR")
+        self.failure = Path(run_dir) / "failure.json" if run_dir else None
+
+    def said(self) -> bool:
+        return self.failure is not None and self.failure.is_file()
+
+    def filter(self, record) -> bool:
+        return record.levelno < logging.WARNING or not self.said()
 
 
 def main() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    said = _SaidWhy()
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.run"):
+        logging.getLogger(name).addFilter(said)
     try:
         torchrun()
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except ChildFailedError as err:
+        if not said.said():
+            raise
+        code = err.get_first_failure()[1].exitcode or 1
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
