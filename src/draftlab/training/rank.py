@@ -209,7 +209,7 @@ class MetricsToTracker(logging.Handler):
             if step in self.eta.ends or step == self.total_steps - 1:  # an epoch's last step
                 out.update({f"perf/{k}": sum(v) / len(v) for k, v in self.phases.items()})
                 self.phases = {}
-        self.thin.append(loss)
+        self.thin.append(flat["train/loss"])
         if (step + 1) % self.THIN_STEPS == 0 or step == self.total_steps - 1:
             out["train_mean/loss"] = sum(self.thin) / len(self.thin)
             self.thin = []
