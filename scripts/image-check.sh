@@ -95,11 +95,16 @@ fi
 missing="$("$HOST_PY" - "$WHEELHOUSE" requirements/cpu.txt <<'PY'
 import re, sys
 from pathlib import Path
-norm = lambda s: re.sub(r"[-_.]+", "_", s).lower()
-have = {norm(f.name) for f in Path(sys.argv[1]).iterdir()}
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+have = set()
+for f in Path(sys.argv[1]).iterdir():
+    if f.name.endswith(".whl"):  # name-version-python-abi-platform.whl
+        name, version = f.name.split("-")[:2]
+    else:  # an sdist: name-version.tar.gz
+        name, _, version = re.sub(r"\.(tar\.gz|zip)$", "", f.name).rpartition("-")
+    have.add((norm(name), version))
 for name, version in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", Path(sys.argv[2]).read_text(), re.M):
-    stem = f"{norm(name)}-{norm(version)}"
-    if not any(h.startswith(stem + "-") or h.startswith(stem + ".tar") for h in have):
+    if (norm(name), version) not in have:
         print(f"{name}=={version}")
 PY
 )"
