@@ -206,12 +206,17 @@ RUN test "${USER_UID}" -ne 0 \
     && if getent passwd ubuntu > /dev/null; then userdel --remove ubuntu; fi \
     && if ! getent group "${USER_GID}" > /dev/null; then groupadd --gid "${USER_GID}" draftlab; fi \
     && useradd --uid "${USER_UID}" --gid "${USER_GID}" --create-home --shell /bin/bash draftlab \
-    && mkdir -p /workspace /cache/huggingface /cache/cuda /mlartifacts \
+    && mkdir -p /workspace /cache/huggingface /cache/cuda /cache/config /cache/matplotlib /mlartifacts \
     && chown "${USER_UID}:${USER_GID}" /workspace /mlartifacts \
-    && chmod 1777 /cache /cache/huggingface /cache/cuda \
+    && chmod 1777 /cache /cache/huggingface /cache/cuda /cache/config /cache/matplotlib \
     && git config --system --add safe.directory /workspace
 
+# A uid with no passwd entry here (`--user "$(id -u)"`) gets HOME=/workspace, the checkout: what
+# tools keep in ~/.config and ~/.cache (DVC's and MLflow's settings, matplotlib's font cache) goes
+# to /cache instead.
 ENV HF_HOME=/cache/huggingface \
+    XDG_CONFIG_HOME=/cache/config \
+    MPLCONFIGDIR=/cache/matplotlib \
     CUDA_CACHE_PATH=/cache/cuda \
     XDG_CACHE_HOME=/cache \
     TRITON_CACHE_DIR=/cache/triton \

@@ -129,7 +129,7 @@ git clone --quiet "$ROOT" "$WORK/ctr"
 
 # ---- build: cold (no layer cache), then again with the warm layer cache ----------------------------
 build() {
-  "${PODMAN[@]}" build --quiet --network none --volume "$WHEELHOUSE:/wheelhouse:ro" \
+  "${PODMAN[@]}" build --quiet --format docker --network none --volume "$WHEELHOUSE:/wheelhouse:ro" \
     --build-arg IMAGE=cpu --build-arg CPU_BASE="$BASE" -t "$TAG" "$@" "$WORK/host" >"$WORK/build.log" 2>&1 \
     || { tail -n 30 "$WORK/build.log" >&2; fail "podman build failed (log above)"; }
 }
@@ -143,7 +143,7 @@ run() {  # run NAME ARGS...: the image as CHECK_UID on the container clone, no n
   local name="draftlab-check-$$-$1"; shift
   CONTAINERS+=("$name")
   "${PODMAN[@]}" run --name "$name" --network none --user "$CHECK_UID:$CHECK_UID" \
-    -v "$WORK/ctr:/workspace" -e HOME=/tmp "$TAG" "$@"
+    -v "$WORK/ctr:/workspace" "$TAG" "$@"
 }
 
 # ---- dvc repro: host venv and container, one after the other, same commit -----------------------
@@ -159,14 +159,22 @@ say "dvc repro in the image as uid $CHECK_UID"
 t0="$(now)"
 run repro >"$WORK/ctr-repro.log" 2>&1 || { tail -n 20 "$WORK/ctr-repro.log" >&2; fail "dvc repro in the image failed"; }
 t1="$(now)"; CTR_S="$(secs "$t0" "$t1")"
+# Every figure must be equal; the run's MLflow id and wall-clock times cannot be.
 "$HOST_PY" - "$WORK/host/reports/metrics.json" "$WORK/ctr/reports/metrics.json" <<'PY' || fail "metrics differ"
 import json, sys
 host, ctr = (json.load(open(p)) for p in sys.argv[1:3])
-if host != ctr:
-    diff = {k: (host.get(k), ctr.get(k)) for k in sorted(set(host) | set(ctr)) if host.get(k) != ctr.get(k)}
+own = lambda k: k == "run_id" or k.endswith("wall_clock_s")
+keys = sorted(k for k in set(host) | set(ctr) if not own(k))
+diff = {k: (host.get(k), ctr.get(k)) for k in keys if host.get(k) != ctr.get(k)}
+if diff:
     sys.exit(f"image-check: FAIL: reports/metrics.json differs from the host's: {diff}")
-print(f"image-check: reports/metrics.json equals the host's ({len(host)} keys)")
+shown = ", ".join(f"{k} {host[k]:.4g}" for k in keys if k.endswith("acc_len") and isinstance(host[k], float))
+print(f"image-check: reports/metrics.json equals the host's in all {len(keys)} figures ({shown}; run_id and wall-clock aside)")
 PY
+# Nothing lands in the checkout that the host's run does not write (a HOME in /workspace would).
+untracked() { git -C "$1" status --porcelain --untracked-files=all | sed -n 's/^?? //p' | sort; }
+stray="$(comm -13 <(untracked "$WORK/host") <(untracked "$WORK/ctr") | head -n 5)"
+[ -z "$stray" ] || fail "the image left files in the checkout that the host's run does not: $stray"
 run repro2 dvc repro >"$WORK/ctr-repro2.log" 2>&1 || { tail -n 20 "$WORK/ctr-repro2.log" >&2; fail "the second dvc repro failed"; }
 ran="$(sed -n "s/^Running stage '\([^']*\)'.*/\1/p" "$WORK/ctr-repro2.log" | paste -sd' ' -)"
 [ -z "${ran// /}" ] || [ "$ran" = verify ] || fail "the second dvc repro ran stages: $ran"
@@ -176,7 +184,7 @@ say "second dvc repro ran: ${ran:-nothing} (verify is always_changed in dvc.yaml
 port="$("$HOST_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 ui="draftlab-check-$$-ui"; CONTAINERS+=("$ui")
 "${PODMAN[@]}" run -d --name "$ui" --user "$CHECK_UID:$CHECK_UID" -p "127.0.0.1:$port:5000" \
-  -v "$WORK/ctr:/workspace" -e HOME=/tmp "$TAG" \
+  -v "$WORK/ctr:/workspace" "$TAG" \
   mlflow ui --host 0.0.0.0 --port 5000 --backend-store-uri sqlite:////workspace/mlflow.db >/dev/null
 "$HOST_PY" - "http://127.0.0.1:$port" "$HEAD" <<'PY' || { "${PODMAN[@]}" logs "$ui" 2>&1 | tail -n 15 >&2; fail "mlflow ui"; }
 import json, sys, time, urllib.request
