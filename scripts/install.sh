@@ -4,11 +4,12 @@
 #   scripts/install.sh            # runtime only
 #   scripts/install.sh --test     # plus what the test suite needs
 #
-# torch is installed first, alone, at exactly 2.13.0: with no torch present, anything that asks
-# for plain `torch` pulls a multi-GB CUDA build. On hosts where `pip install torch==2.13.0`
-# would fetch that CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
-# Everything else comes from the lock with --no-deps: speculators declares torchvision and
+# The CPU lock (requirements/cpu.txt, made by scripts/lock.sh) pins every package with its sha256
+# and is installed with --require-hashes and --no-deps: speculators declares torchvision and
 # torchaudio, which it never imports and which break `import transformers` beside a CPU torch.
+# torch is the CPU build, torch==2.13.0+cpu, which PyPI does not serve: pip finds it in a local
+# wheel folder (pip's find-links) or, with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu,
+# on PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +23,9 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 
 "${PIP[@]}" install --upgrade "pip>=24"
-torch_args=(torch==2.13.0)
-if [ -n "${TORCH_INDEX_URL:-}" ]; then torch_args+=(--index-url "$TORCH_INDEX_URL"); fi
-"${PIP[@]}" install "${torch_args[@]}"
-"${PIP[@]}" install --no-deps -r requirements/cpu.txt
+lock_args=(--require-hashes --no-deps -r requirements/cpu.txt)
+if [ -n "${TORCH_INDEX_URL:-}" ]; then lock_args+=(--extra-index-url "$TORCH_INDEX_URL"); fi
+"${PIP[@]}" install "${lock_args[@]}"
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" install --no-deps -r requirements/test.txt
 fi

@@ -97,21 +97,23 @@ class Dockerfile:
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
 
-    def parent(self, stage: Stage) -> Stage | None:
-        """The earlier stage this one is built FROM, if any."""
-        earlier = [s for s in self.stages[: stage.index] if s.name == stage.image]
+    def parent(self, stage: Stage, args: dict[str, str] | None = None) -> Stage | None:
+        """The earlier stage this one is built FROM, if any (`FROM ${IMAGE}-env` resolves with
+        the global ARG defaults, overridden by `args` like --build-arg)."""
+        image = substitute(stage.image, {**self.global_args, **(args or {})})
+        earlier = [s for s in self.stages[: stage.index] if s.name == image]
         return earlier[-1] if earlier else None
 
-    def chain(self, stage: Stage) -> list[Stage]:
+    def chain(self, stage: Stage, args: dict[str, str] | None = None) -> list[Stage]:
         """The stage and its ancestors, nearest first."""
         out = [stage]
-        while (parent := self.parent(out[-1])) is not None:
+        while (parent := self.parent(out[-1], args)) is not None:
             out.append(parent)
         return out
 
-    def root_image(self, stage: Stage) -> str:
-        """The external image a stage finally starts from, global ARGs substituted."""
-        return substitute(self.chain(stage)[-1].image, self.global_args)
+    def root_image(self, stage: Stage, args: dict[str, str] | None = None) -> str:
+        """The external image a stage finally starts from, global ARGs (and `args`) substituted."""
+        return substitute(self.chain(stage, args)[-1].image, {**self.global_args, **(args or {})})
 
     def args_of(self, stage: Stage) -> dict[str, str | None]:
         """ARG values visible in a stage: its own ARGs, defaulting to the global ones."""
@@ -381,10 +383,11 @@ def check_flash_attn_build(dockerfile_text: str) -> list[str]:
         problems.append("FLASH_ATTENTION_FORCE_BUILD=TRUE is not set for the build")
     if not re.search(r"pip wheel\b.*--no-build-isolation", text):
         problems.append("the wheel is not built with --no-build-isolation against the installed torch")
-    final = dockerfile.stages[-1]
-    copies = [i for i in final.instructions if i.keyword == "COPY" and f"--from={builder.name}" in i.args]
+    gpu_chain = dockerfile.chain(dockerfile.stages[-1], {"IMAGE": "gpu"})
+    copies = [i for stage in gpu_chain for i in stage.instructions
+              if i.keyword == "COPY" and f"--from={builder.name}" in i.args]
     if not copies:
-        problems.append(f"the final stage copies nothing from {builder.name}")
+        problems.append(f"the GPU image copies nothing from {builder.name}")
     for copy in copies:
         sources = [t for t in copy.args.split() if not t.startswith("--")][:-1]
         if not all(s.endswith(".whl") or "wheels" in s for s in sources):
@@ -549,4 +552,56 @@ def check_compose(compose_text: str) -> list[str]:
         problems.append(f"postgres image {postgres.get('image')} is not pinned as name:tag@sha256:<digest>")
     if not postgres.get("healthcheck"):
         problems.append("postgres has no healthcheck")
+    return problems
+
+
+# ---- the two images and their locks ----------------------------------------------------------
+
+# The stage each image's locked Python set is installed in, and the lock it installs.
+IMAGE_LOCKS = {"base": "gpu-base-lock.txt", "gpu-env": "gpu-lock.txt", "cpu-env": "cpu.txt"}
+DEBIAN_PINNED = re.compile(r"^(docker\.io/)?(library/)?(debian|python):[^\s@]*bookworm[^\s@]*@sha256:[0-9a-f]{64}$")
+
+
+def check_two_images(dockerfile_text: str) -> list[str]:
+    """One final stage on `${IMAGE}-env` (default gpu) serves both images; the CPU image starts
+    from a digest-pinned Debian 12 image; every pip install of the Python set uses a hash lock
+    with --require-hashes (only the flash-attn wheel built here and draftlab itself do not)."""
+    dockerfile = parse_dockerfile(dockerfile_text)
+    problems = []
+    if dockerfile.global_args.get("IMAGE") != "gpu":
+        problems.append(f"global ARG IMAGE={dockerfile.global_args.get('IMAGE')!r}: the default image must be gpu")
+    final = dockerfile.stages[-1] if dockerfile.stages else None
+    if final is None or final.image != "${IMAGE}-env":
+        problems.append("the final stage is not `FROM ${IMAGE}-env`, so the two images do not share it")
+    for image in ("gpu", "cpu"):
+        if dockerfile.stage(f"{image}-env") is None:
+            problems.append(f"no stage {image}-env")
+    if final is not None and dockerfile.stage("cpu-env") is not None:
+        root = dockerfile.root_image(final, {"IMAGE": "cpu"})
+        if not DEBIAN_PINNED.match(root):
+            problems.append(f"the CPU image starts from {root}, not a digest-pinned Debian 12 (bookworm) image")
+    for stage in dockerfile.stages:
+        for instruction in stage.instructions:
+            if instruction.keyword != "RUN":
+                continue
+            for command in re.split(r"&&|;|\|\|", instruction.args):
+                if not re.search(r"\bpip install\b", command):
+                    continue
+                words = command.split()
+                local = [w for w in words if w.endswith(".whl") or w == "."]
+                if local and "--no-deps" in words:
+                    continue
+                if "--require-hashes" not in words:
+                    problems.append(f"line {instruction.line}: `{command.strip()}` installs without --require-hashes")
+                want = IMAGE_LOCKS.get(stage.name or "")
+                if want is None:
+                    problems.append(f"line {instruction.line}: stage {stage.name} installs packages; only "
+                                    f"{sorted(IMAGE_LOCKS)} install the locked sets")
+                elif not any(w.endswith(f"requirements/{want}") for w in words):
+                    problems.append(f"line {instruction.line}: stage {stage.name} must install requirements/{want}")
+    for name, lock in IMAGE_LOCKS.items():
+        stage = dockerfile.stage(name)
+        if stage is not None and not any(i.keyword == "RUN" and f"requirements/{lock}" in i.args
+                                         and "--require-hashes" in i.args for i in stage.instructions):
+            problems.append(f"stage {name} does not install requirements/{lock} with --require-hashes")
     return problems

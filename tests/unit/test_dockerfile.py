@@ -61,6 +61,7 @@ def checked(copies: Path, check: str) -> list[str]:
         "sm120": rules.check_sm120,
         "user": rules.check_final_user_not_root,
         "flash_attn": rules.check_flash_attn_build,
+        "images": rules.check_two_images,
     }[check](dockerfile)
 
 
@@ -77,6 +78,7 @@ def test_real_files_keep_every_rule() -> None:
         "sm120": rules.check_sm120(dockerfile),
         "user": rules.check_final_user_not_root(dockerfile),
         "flash_attn": rules.check_flash_attn_build(dockerfile),
+        "images": rules.check_two_images(dockerfile),
         "dockerignore": rules.check_dockerignore(repo_text(".dockerignore"), dockerfile),
         "compose": rules.check_compose(repo_text("compose.yaml")),
     }
@@ -130,6 +132,20 @@ MUTATIONS = [
      "--no-build-isolation"),
     ("flash_attn", "Dockerfile", "COPY --from=flash-attn-build /wheels/ /tmp/wheels/",
      "COPY --from=flash-attn-build /opt/venv /opt/venv", "copy only the wheel"),
+    ("images", "Dockerfile", "ARG IMAGE=gpu", "ARG IMAGE=cpu", "default image must be gpu"),
+    ("images", "Dockerfile", "FROM ${IMAGE}-env AS final", "FROM gpu-env AS final", "do not share it"),
+    ("images", "Dockerfile", "FROM ${CPU_BASE} AS cpu-env", "FROM debian:bookworm-slim AS cpu-env",
+     "not a digest-pinned Debian 12"),
+    ("images", "Dockerfile", "ARG CPU_BASE=docker.io/library/debian:bookworm-slim@",
+     "ARG CPU_BASE=docker.io/library/ubuntu:bookworm-slim@", "not a digest-pinned Debian 12"),
+    ("images", "Dockerfile", "pip install --require-hashes --no-deps --requirement /opt/draftlab/requirements/gpu-lock.txt",
+     "pip install --no-deps --requirement /opt/draftlab/requirements/gpu.txt", "without --require-hashes"),
+    ("images", "Dockerfile", "--requirement /opt/draftlab/requirements/cpu.txt",
+     "--requirement /opt/draftlab/requirements/common.txt", "must install requirements/cpu.txt"),
+    ("images", "Dockerfile", "RUN pip install --no-deps /tmp/wheels/flash_attn-*.whl",
+     "RUN pip install /tmp/wheels/flash_attn-*.whl", "without --require-hashes"),
+    ("images", "Dockerfile", "RUN pip install --no-deps --no-build-isolation . ",
+     "RUN pip install einops && pip install --no-deps --no-build-isolation . ", "installs without --require-hashes"),
     ("dockerignore", ".dockerignore", "\ndata\n", "\n", "data/"),
     ("dockerignore", ".dockerignore", "\n.dvc\n", "\n", ".dvc/cache"),
     ("dockerignore", ".dockerignore", "**/mlflow.db\nmlruns\nmlartifacts\n*.db\n", "mlruns\nmlartifacts\n",

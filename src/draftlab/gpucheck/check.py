@@ -3,6 +3,8 @@
     scripts/gpu-check.sh [--out reports/gpu-check.json] [--wheels DIR]
 
 Steps, each in a child process under its own timeout, the whole run under one budget:
+  image      first, inside draftlab's GPU image only (DRAFTLAB_IMAGE=gpu): torch, vllm,
+             flash_attn, speculators and transformers import, torch has sm_120 kernels
   host       versions found (Python, torch, CUDA, transformers, speculators, vllm, triton), GPUs
   pipeline   the tiny default pipeline end to end on the GPU: target → prepare → extract → train
              (nccl, 1 rank, speculators' GPU defaults: flex attention + fused Triton loss, or eager
@@ -27,6 +29,7 @@ from pathlib import Path
 
 BUDGET_S = 330.0  # the 6-minute promise, less start-up and margin
 RESULT = "gpu-check-result "
+IMAGE_STEP_S = 120.0
 STEPS = [("pipeline", 170.0), ("extract", 60.0), ("ddp", 60.0), ("fsdp", 60.0), ("vllm", 150.0)]
 PACKAGES = ("torch", "transformers", "speculators", "vllm", "triton", "mlflow", "datasets", "draftlab")
 
@@ -128,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT + json.dumps(run_one(a.step, work)), flush=True)
         return 0
     report = Report(out)
+    started = time.monotonic()
+    image = os.environ.get("DRAFTLAB_IMAGE")
+    if image == "gpu":
+        step = [sys.executable, "-m", "draftlab.gpucheck.check", "--step", "image", "--work", str(work)]
+        run_steps(report, [("image", step, IMAGE_STEP_S)], budget_s=IMAGE_STEP_S, log_dir=work / "logs")
+    elif image:
+        report.add("image", "skip", reason=f"draftlab's {image} image: vllm and flash-attn are the GPU image's")
+    a.budget_s -= time.monotonic() - started
     report.data["host"] = info = host()
     report.add("host", "pass" if info["cuda"] else "skip", reason="" if info["cuda"] else "no CUDA device visible",
                gpus=len(info["gpus"]), torch=info["versions"]["torch"] or "absent")

@@ -136,10 +136,34 @@ def vllm(work: Path) -> dict:
                                            "eval/vllm_output_match_frac") if k in m}}
 
 
+IMAGE_IMPORTS = ("torch", "vllm", "flash_attn", "speculators", "transformers")
+
+
+def image_imports(work: Path) -> dict:
+    """Inside the GPU image: its locked stack imports and torch carries sm_120 kernels. Needs no
+    GPU, so the first host that builds the image learns at once whether the pins hold."""
+    import importlib
+
+    broken = []
+    for name in IMAGE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 — any import failure is the finding
+            broken.append(f"{name}: {type(err).__name__}: {str(err)[:160]}")
+    if broken:
+        return {"status": "fail", "reason": "; ".join(broken)}
+    import torch
+
+    arch = torch.cuda.get_arch_list()
+    if "sm_120" not in arch:
+        return {"status": "fail", "reason": f"torch {torch.__version__} has no sm_120 kernels: {arch}"}
+    return {"status": "pass", "figures": {"imports": len(IMAGE_IMPORTS), "arch": " ".join(arch)}}
+
+
 def run_one(name: str, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     steps = {"pipeline": pipeline, "extract": extract_vs_cpu, "ddp": lambda w: two_ranks(w, "ddp"),
-             "fsdp": lambda w: two_ranks(w, "fsdp"), "vllm": vllm}
+             "fsdp": lambda w: two_ranks(w, "fsdp"), "vllm": vllm, "image": image_imports}
     try:
         return steps[name](work)
     except ImportError as err:

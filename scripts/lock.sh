@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Refresh the hash locks from their inputs with uv (the version pinned in
+# requirements/lock-tools.txt, installed into .venv-lock on first use). Needs PyPI; takes about
+# 10-30 s each (docs/container.md "The locks").
+#
+#   scripts/lock.sh            # both
+#   scripts/lock.sh cpu        # requirements/cpu.txt  from cpu.in (Python 3.11, the venv's)
+#   scripts/lock.sh gpu        # requirements/gpu-lock.txt from gpu.txt + flash-attn-build.txt and
+#                              # requirements/gpu-base-lock.txt from gpu-base.in (Python 3.12,
+#                              # x86_64 manylinux_2_39: the GPU image's Ubuntu 24.04)
+#
+# The CPU build of torch comes from TORCH_CPU_FIND_LINKS (a folder holding
+# torch-2.13.0+cpu-cp311-*.whl, default /opt/wheels) or, where that folder lacks it,
+# TORCH_CPU_INDEX_URL (default https://download.pytorch.org/whl/cpu). uv writes no hash for a
+# wheel found in a local folder, so its sha256 is added from the wheel itself (`pip hash`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+what="${1:-all}"
+case "$what" in
+  all|cpu|gpu) ;;
+  *) echo "lock: unknown lock '$what' (use cpu, gpu or nothing for both)" >&2; exit 2 ;;
+esac
+
+LOCK_VENV="${LOCK_VENV:-.venv-lock}"
+if [ ! -x "$LOCK_VENV/bin/uv" ]; then
+  python3 -m venv "$LOCK_VENV"
+  "$LOCK_VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements/lock-tools.txt
+fi
+UV=("$LOCK_VENV/bin/uv" pip compile --quiet --generate-hashes --no-progress)
+
+lock_cpu() {
+  local links="${TORCH_CPU_FIND_LINKS:-/opt/wheels}" wheel source=()
+  wheel="$(compgen -G "$links/torch-2.13.0+cpu-cp311-cp311-*x86_64.whl" | head -n 1 || true)"
+  if [ -n "$wheel" ]; then
+    source=(--find-links "$links")
+  else
+    source=(--extra-index-url "${TORCH_CPU_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
+  fi
+  "${UV[@]}" requirements/cpu.in --no-deps --index-strategy unsafe-best-match "${source[@]}" \
+    --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+    --custom-compile-command "scripts/lock.sh cpu" -o requirements/cpu.txt
+  if [ -n "$wheel" ] && grep -qx 'torch==2.13.0+cpu' requirements/cpu.txt; then
+    local hash
+    hash="$("$LOCK_VENV/bin/python" -m pip hash "$wheel" | sed -n 's/^--hash=//p')"
+    sed -i "s|^torch==2.13.0+cpu\$|torch==2.13.0+cpu \\\\\n    --hash=$hash|" requirements/cpu.txt
+  fi
+  if ! grep -A1 '^torch==' requirements/cpu.txt | grep -q -- '--hash=sha256:'; then
+    echo "lock: torch has no hash in requirements/cpu.txt" >&2; exit 1
+  fi
+  echo "lock: requirements/cpu.txt ($(grep -c '^[A-Za-z]' requirements/cpu.txt) packages)"
+}
+
+lock_gpu() {
+  local target=(--python-version 3.12 --python-platform x86_64-manylinux_2_39)
+  "${UV[@]}" requirements/gpu.txt requirements/flash-attn-build.txt "${target[@]}" \
+    --custom-compile-command "scripts/lock.sh gpu" -o requirements/gpu-lock.txt
+  "${UV[@]}" requirements/gpu-base.in --constraint requirements/gpu-lock.txt "${target[@]}" \
+    --custom-compile-command "scripts/lock.sh gpu" -o requirements/gpu-base-lock.txt
+  echo "lock: requirements/gpu-lock.txt ($(grep -c '^[A-Za-z]' requirements/gpu-lock.txt) packages)," \
+       "requirements/gpu-base-lock.txt ($(grep -c '^[A-Za-z]' requirements/gpu-base-lock.txt))"
+}
+
+case "$what" in
+  cpu) lock_cpu ;;
+  gpu) lock_gpu ;;
+  all) lock_cpu; lock_gpu ;;
+esac
