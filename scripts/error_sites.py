@@ -74,6 +74,9 @@ def _constants(trees: dict[Path, ast.Module]) -> dict[str, str | None]:
     return out
 
 
+# functions that return a UserError subclass to be called with the message (training.job)
+ERROR_FACTORIES = {"failed_error"}
+
 def _name(node: ast.AST) -> str:
     if isinstance(node, ast.Name):
         return node.id
@@ -134,7 +137,9 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call):
         callee = _name(node.func)
-        is_error = callee in self.errors or callee in self.helpers
+        if isinstance(node.func, ast.Call) and _name(node.func.func) in ERROR_FACTORIES:
+            callee = _name(node.func.func)  # `failed_error(failure)(message)`: the factory picks the class
+        is_error = callee in self.errors or callee in self.helpers or isinstance(node.func, ast.Call) and callee in ERROR_FACTORIES
         if callee == "ValueError" and self.validator_depth:
             is_error = True
         arg = node.args[0] if is_error and node.args else None
