@@ -37,6 +37,9 @@ def command(*args, **kwargs):
     def register(fn):
         @functools.wraps(fn)
         def run(*a, **kw):
+            from draftlab import tracking
+
+            tracking.fail_fast_defaults()  # an outage costs seconds per call, not minutes: the spool keeps it
             try:
                 return fn(*a, **kw)
             except (UserError, FileNotFoundError) as err:
@@ -52,6 +55,13 @@ def command(*args, **kwargs):
 
 def _fail(message: str):
     raise UserError(message)
+
+
+def _say_spool(tracker, stage: str) -> None:
+    if line := tracker.spool_line(stage):
+        from draftlab.console import console
+
+        console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)
 
 
 def _load(params_path: Path):
@@ -100,10 +110,10 @@ def extract(
     if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
         _fail(problem)
     from draftlab.stages import extract as stage
-    from draftlab.tracking import stage_run
+    from draftlab.tracking import spool_beside, stage_run
 
     checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
-    with stage_run("extract") as tracker:
+    with stage_run("extract", spool=spool_beside(out)) as tracker:
         stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
 
 
@@ -148,10 +158,11 @@ def evaluate(
     """Predicted (validation) and measured (speculative decoding) acceptance length."""
     p = _load(params)
     from draftlab.stages import evaluate as stage
-    from draftlab.tracking import MlflowTracker, run_id_of
+    from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
-    stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir, out_dir=out,
-              tracker=MlflowTracker(run_id_of(train_dir)))
+    tracker = MlflowTracker(run_id_of(train_dir), spool=spool_beside(out))
+    stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir, out_dir=out, tracker=tracker)
+    _say_spool(tracker, "evaluate")
 
 
 @command()
@@ -165,10 +176,11 @@ def export(
     """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers)."""
     p = _load(params)
     from draftlab.stages import export as stage
-    from draftlab.tracking import MlflowTracker, run_id_of
+    from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
-    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
-              tracker=MlflowTracker(run_id_of(train_dir)))
+    tracker = MlflowTracker(run_id_of(train_dir), spool=spool_beside(out))
+    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out, tracker=tracker)
+    _say_spool(tracker, "export")
 
 
 @command()
@@ -334,17 +346,28 @@ def summary(
 
 @command("tracking-import")
 def tracking_import(
-    spool: Annotated[Path, typer.Argument(help="A spool written while MLflow was unreachable.")],
+    spools: Annotated[list[Path], typer.Argument(help="Spools written while MLflow was unreachable (each "
+                                                 "stage names its own at its end).")],
 ) -> None:
-    """Upload the metric records kept locally during a tracking outage."""
+    """Upload the records (metrics, params, tags, artifacts, the run's end) kept locally during a tracking outage."""
     from draftlab.console import console
     from draftlab.tracking import replay_spool
 
-    if not spool.is_file():
-        _fail(f"{spool}: no such spool file")
-    n = replay_spool(spool)
-    spool.rename(spool.with_suffix(".imported.jsonl"))
-    console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
+    for spool in spools:
+        if not spool.is_file():
+            _fail(f"{spool}: no such spool file")
+    for spool in spools:
+        try:
+            n = replay_spool(spool)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 — the server is away again: nothing is lost, import again later
+            from draftlab.errors import HostError
+
+            raise HostError(f"{spool}: MLflow refused the upload ({type(err).__name__}: {str(err)[:200]}); the spool "
+                            "is kept: run `draftlab tracking-import` again once the server answers") from None
+        spool.rename(spool.with_suffix(".imported.jsonl"))
+        console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
 
 
 @command("params")

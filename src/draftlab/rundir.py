@@ -344,7 +344,17 @@ class SpooledArtifact(Record):
     artifact_path: str | None = None
 
 
-SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact, Field(discriminator="kind")]
+class SpooledEnd(Record):
+    """The run's end (MlflowTracker.end): status and when it ended, as MLflow's set_terminated takes them."""
+
+    run_id: str
+    kind: Literal["end"]
+    status: Literal["FINISHED", "FAILED", "KILLED"]
+    end_time: int
+
+
+SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact | SpooledEnd,
+                        Field(discriminator="kind")]
 _SPOOL = TypeAdapter(SpoolRecord)
 
 
