@@ -102,6 +102,8 @@ def extract(
     target: TargetOpt = Path("models/target"),
     data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
     out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    report: Annotated[Path | None, typer.Option(help="JSON report of the store (files, tokens, bytes, what "
+                                                "was extracted now).")] = None,
 ) -> None:
     """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
     p = _load(params)
@@ -114,7 +116,12 @@ def extract(
 
     checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
     with stage_run("extract", spool=spool_beside(out)) as tracker:
-        stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
+        result = stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
+    if report is not None:
+        from draftlab.util import write_json_atomic
+
+        write_json_atomic(report, {"store": str(out), "num_files": result.num_files, "num_tokens": result.num_tokens,
+                                   "total_bytes": result.total_bytes, "extracted_now_tokens": result.extracted_now})
 
 
 @command()
@@ -252,6 +259,27 @@ def sweep(
         raise typer.Exit(1)
 
 
+def _check_params(params_path: Path, target: Path, data: Path) -> None:
+    """Every refusal a later stage would make from params alone, or from params and the target's
+    config (extract's layer ids): dvc.yaml's verify runs before extract, and DVC deletes
+    extract's output before extract's command can refuse."""
+    p = _load(params_path)  # every section, typed: the key's dotted path on error
+    from draftlab.store import dvc_track
+
+    if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
+        _fail(problem)
+    if not (data / "dataset_info.json").exists():
+        return  # no dataset yet: nothing later has been produced either
+    from draftlab.training.job import check_seq_len
+
+    check_seq_len(p, data)  # train's packing length against the samples
+    local = (target / "config.json").exists() if p.target.source == "tiny" else p.target.source == "local"
+    if local:  # a hub target's config is extract's to fetch
+        from draftlab.stages import extract as stage
+
+        stage.check(p, target_dir=target, data_dir=data)
+
+
 @command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
@@ -259,11 +287,18 @@ def verify(
     report: Annotated[Path | None, typer.Option(help="Write the problems to this JSON file and exit 0 "
                                                      "(dvc.yaml's check before extract); re-hashes only files "
                                                      "changed since extraction wrote them.")] = None,
+    params: Annotated[Path | None, typer.Option("--params", help="Also check every stage's params (and extract's "
+                                                "against the target), before `dvc repro` runs any later stage: a "
+                                                "params error then costs no produced file.")] = None,
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder (with --params).")] = Path("data/prepared"),
 ) -> None:
     """Name every missing, truncated or corrupt file of a hidden-state store."""
     from draftlab.console import console
     from draftlab.store import layout as st
 
+    if params is not None:
+        _check_params(params, target, data)
     if report is not None:
         from draftlab.util import write_json_atomic
 

@@ -103,7 +103,8 @@ def _refused(proc, *needles):
 CASES = {
     # name: (params edit on the tiny params, stage, what the line names, also under `dvc repro`)
     "total_seq_len": (lambda p: p["train"].update(total_seq_len=3), "train", "train.total_seq_len: 3 would truncate", True),
-    "layer_ids": (lambda p: p["extract"].update(layer_ids=[2, 4, 99]), "extract", "extract.layer_ids", False),
+    # under dvc repro, verify refuses it before DVC deletes extract's output (the published store)
+    "layer_ids": (lambda p: p["extract"].update(layer_ids=[2, 4, 99]), "extract", "extract.layer_ids", True),
     "missing_target": (lambda p: p["target"].update(source="local", path="no/such/model"), "target", "target.path", True),
     "num_samples": (lambda p: p["prepare"].update(num_samples=-1), "prepare", "prepare.num_samples", True),
 }
@@ -117,6 +118,8 @@ def test_a_bad_param_is_refused_and_nothing_produced_changes(copy, case):
     edit(params)
     _set(root, yaml.safe_dump(params, sort_keys=False))
     before = snapshot(root)
+    store_files = [rel for rel in before if rel.startswith("data/hidden_states/")]
+    assert len(store_files) > 1 and "data/hidden_states/manifest.json" in store_files, "the store is hashed too"
     _refused(_sh(_stage_cmd(root, stage), root, env, ok=False), needle)
     assert snapshot(root) == before
     if under_dvc:
