@@ -304,13 +304,13 @@ def verify(
 
         # No manifest yet (first run, or a killed extraction): nothing to disagree with; extract
         # runs anyway because its manifest is missing.
-        found = st.verify(store, changed_only=True) if st.has_manifest(store) else []
+        found = st.verify(store, changed_only=True, record=True) if st.has_manifest(store) else []
         write_json_atomic(report, {"store": str(store), "problems": found})
         for line in found:
             console.print(f"[yellow]verify[/]: {line}", soft_wrap=True)
         console.print(f"[bold]verify[/]: {len(found)} bad file(s) in {store} → {report}")
         return
-    problems = st.verify(store, full=not quick)
+    problems = st.verify(store, full=not quick, record=True)  # extract re-extracts what it names
     for line in problems:
         console.print(line, soft_wrap=True)
     if problems:
