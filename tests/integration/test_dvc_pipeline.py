@@ -141,7 +141,8 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert "Running stage 'extract'" in _run(["dvc", "repro", "extract"], root, env)
     lock = yaml.safe_load((root / "dvc.lock").read_text())
-    assert [o["path"] for o in lock["stages"]["extract"]["outs"]] == ["data/hidden_states/manifest.json"]
+    assert [o["path"] for o in lock["stages"]["extract"]["outs"]] == ["data/hidden_states/manifest.json",
+                                                                      "reports/extract.json"]
     assert {p.relative_to(cache) for p in cache.rglob("*") if p.is_file()} == objects
     assert store.read_manifest(hs).dtype == "float16" and store.verify(hs) == []
     assert "Stage 'extract' didn't change, skipping" in _run(["dvc", "repro", "extract"], root, env)
