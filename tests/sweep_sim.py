@@ -68,7 +68,7 @@ class SimHandle:
             return Outcome(False, None, now - self.start, message="stopped by the sweep (SIGTERM)")  # no run id: as the trial process
         if now - self.start >= self.duration:
             p = self.spec.params
-            timing = {"steps": sim_steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
+            timing = {"steps": self.launcher.steps(p), "epochs": p.train.epochs, "step_s": STEP_S[p.train.gpus],
                       "epoch_s": EPOCH_S, "tokens_per_s": 1000.0 * p.train.gpus / STEP_S[p.train.gpus],
                       "wall_s": self.duration, "stable": self.launcher.settled(self.spec)}
             value = None if self.spec.role == "calibration" else sim_quality(p)  # as draftlab.sweep.trial reports
@@ -93,8 +93,9 @@ class SimHandle:
 
 
 class SimLauncher:
-    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None, settled=None):
-        self.clock, self.duration, self.honors_sigterm = clock, duration, honors_sigterm
+    def __init__(self, clock, duration=sim_duration, honors_sigterm=True, epoch_value=None, settled=None,
+                 steps=sim_steps):
+        self.clock, self.duration, self.honors_sigterm, self.steps = clock, duration, honors_sigterm, steps
         self.settled = settled or (lambda spec: True)
         self.epoch_value = epoch_value or (lambda p, e: sim_quality(p) - 0.05 * (p.train.epochs - e))
         self.started: list = []  # (spec, start time, handle)
@@ -135,11 +136,12 @@ def make_spec(tmp_path, **over):
 
 
 def make_worker(tmp_path, spec, clock, launcher, *, devices=("cpu0", "cpu1"), host="hostA", pid=None,
-                n_trials=None, journal="journal.log", storage_url=None):
+                n_trials=None, journal="journal.log", storage_url=None, steps_fn=sim_steps, log=None):
     storage = open_storage(storage_url or str(tmp_path / journal), spec)
     study = open_study(spec, storage, BASE)
     return Worker(spec, BASE, study, launcher=launcher, clock=clock, devices=list(devices), out_dir=tmp_path / "sweep",
-                  steps_fn=sim_steps, n_trials=n_trials, log=lambda line: None, host=host, pid=pid, storage=storage)
+                  steps_fn=steps_fn, n_trials=n_trials, log=log or (lambda line: None), host=host, pid=pid,
+                  storage=storage)
 
 
 def run_to_end(worker, clock, limit=100_000):

@@ -37,6 +37,9 @@ def command(*args, **kwargs):
     def register(fn):
         @functools.wraps(fn)
         def run(*a, **kw):
+            from draftlab import tracking
+
+            tracking.fail_fast_defaults()  # an outage costs seconds per call, not minutes: the spool keeps it
             try:
                 return fn(*a, **kw)
             except (UserError, FileNotFoundError) as err:
@@ -52,6 +55,13 @@ def command(*args, **kwargs):
 
 def _fail(message: str):
     raise UserError(message)
+
+
+def _say_spool(tracker, stage: str) -> None:
+    if line := tracker.spool_line(stage):
+        from draftlab.console import console
+
+        console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)
 
 
 def _load(params_path: Path):
@@ -92,6 +102,8 @@ def extract(
     target: TargetOpt = Path("models/target"),
     data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
     out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    report: Annotated[Path | None, typer.Option(help="JSON report of the store (files, tokens, bytes, what "
+                                                "was extracted now).")] = None,
 ) -> None:
     """Target hidden states → hs_<i>.safetensors files + manifest (resumable)."""
     p = _load(params)
@@ -100,11 +112,16 @@ def extract(
     if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
         _fail(problem)
     from draftlab.stages import extract as stage
-    from draftlab.tracking import stage_run
+    from draftlab.tracking import spool_beside, stage_run
 
     checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
-    with stage_run("extract") as tracker:
-        stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
+    with stage_run("extract", spool=spool_beside(out)) as tracker:
+        result = stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
+    if report is not None:
+        from draftlab.util import write_json_atomic
+
+        write_json_atomic(report, {"store": str(out), "num_files": result.num_files, "num_tokens": result.num_tokens,
+                                   "total_bytes": result.total_bytes, "extracted_now_tokens": result.extracted_now})
 
 
 @command()
@@ -148,10 +165,11 @@ def evaluate(
     """Predicted (validation) and measured (speculative decoding) acceptance length."""
     p = _load(params)
     from draftlab.stages import evaluate as stage
-    from draftlab.tracking import MlflowTracker, run_id_of
+    from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
-    stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir, out_dir=out,
-              tracker=MlflowTracker(run_id_of(train_dir)))
+    tracker = MlflowTracker(run_id_of(train_dir), spool=spool_beside(out))
+    stage.run(p, target_dir=target, data_dir=data, store_dir=store, train_dir=train_dir, out_dir=out, tracker=tracker)
+    _say_spool(tracker, "evaluate")
 
 
 @command()
@@ -165,10 +183,11 @@ def export(
     """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers)."""
     p = _load(params)
     from draftlab.stages import export as stage
-    from draftlab.tracking import MlflowTracker, run_id_of
+    from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
-    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out,
-              tracker=MlflowTracker(run_id_of(train_dir)))
+    tracker = MlflowTracker(run_id_of(train_dir), spool=spool_beside(out))
+    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out, tracker=tracker)
+    _say_spool(tracker, "export")
 
 
 @command()
@@ -240,6 +259,27 @@ def sweep(
         raise typer.Exit(1)
 
 
+def _check_params(params_path: Path, target: Path, data: Path) -> None:
+    """Every refusal a later stage would make from params alone, or from params and the target's
+    config (extract's layer ids): dvc.yaml's verify runs before extract, and DVC deletes
+    extract's output before extract's command can refuse."""
+    p = _load(params_path)  # every section, typed: the key's dotted path on error
+    from draftlab.store import dvc_track
+
+    if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
+        _fail(problem)
+    if not (data / "dataset_info.json").exists():
+        return  # no dataset yet: nothing later has been produced either
+    from draftlab.training.job import check_seq_len
+
+    check_seq_len(p, data)  # train's packing length against the samples
+    local = (target / "config.json").exists() if p.target.source == "tiny" else p.target.source == "local"
+    if local:  # a hub target's config is extract's to fetch
+        from draftlab.stages import extract as stage
+
+        stage.check(p, target_dir=target, data_dir=data)
+
+
 @command()
 def verify(
     store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
@@ -247,23 +287,30 @@ def verify(
     report: Annotated[Path | None, typer.Option(help="Write the problems to this JSON file and exit 0 "
                                                      "(dvc.yaml's check before extract); re-hashes only files "
                                                      "changed since extraction wrote them.")] = None,
+    params: Annotated[Path | None, typer.Option("--params", help="Also check every stage's params (and extract's "
+                                                "against the target), before `dvc repro` runs any later stage: a "
+                                                "params error then costs no produced file.")] = None,
+    target: TargetOpt = Path("models/target"),
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder (with --params).")] = Path("data/prepared"),
 ) -> None:
     """Name every missing, truncated or corrupt file of a hidden-state store."""
     from draftlab.console import console
     from draftlab.store import layout as st
 
+    if params is not None:
+        _check_params(params, target, data)
     if report is not None:
         from draftlab.util import write_json_atomic
 
         # No manifest yet (first run, or a killed extraction): nothing to disagree with; extract
         # runs anyway because its manifest is missing.
-        found = st.verify(store, changed_only=True) if st.has_manifest(store) else []
+        found = st.verify(store, changed_only=True, record=True) if st.has_manifest(store) else []
         write_json_atomic(report, {"store": str(store), "problems": found})
         for line in found:
             console.print(f"[yellow]verify[/]: {line}", soft_wrap=True)
         console.print(f"[bold]verify[/]: {len(found)} bad file(s) in {store} → {report}")
         return
-    problems = st.verify(store, full=not quick)
+    problems = st.verify(store, full=not quick, record=True)  # extract re-extracts what it names
     for line in problems:
         console.print(line, soft_wrap=True)
     if problems:
@@ -357,17 +404,28 @@ def status(
 
 @command("tracking-import")
 def tracking_import(
-    spool: Annotated[Path, typer.Argument(help="A spool written while MLflow was unreachable.")],
+    spools: Annotated[list[Path], typer.Argument(help="Spools written while MLflow was unreachable (each "
+                                                 "stage names its own at its end).")],
 ) -> None:
-    """Upload the metric records kept locally during a tracking outage."""
+    """Upload the records (metrics, params, tags, artifacts, the run's end) kept locally during a tracking outage."""
     from draftlab.console import console
     from draftlab.tracking import replay_spool
 
-    if not spool.is_file():
-        _fail(f"{spool}: no such spool file")
-    n = replay_spool(spool)
-    spool.rename(spool.with_suffix(".imported.jsonl"))
-    console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
+    for spool in spools:
+        if not spool.is_file():
+            _fail(f"{spool}: no such spool file")
+    for spool in spools:
+        try:
+            n = replay_spool(spool)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 — the server is away again: nothing is lost, import again later
+            from draftlab.errors import HostError
+
+            raise HostError(f"{spool}: MLflow refused the upload ({type(err).__name__}: {str(err)[:200]}); the spool "
+                            "is kept: run `draftlab tracking-import` again once the server answers") from None
+        spool.rename(spool.with_suffix(".imported.jsonl"))
+        console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")
 
 
 @command("params")

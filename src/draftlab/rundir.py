@@ -324,7 +324,8 @@ class TrainRecord(Record):
     checkpoint: str
     total_steps: int
     world_size: int
-    wall_clock_s: float
+    wall_clock_s: float = Field(..., description="the `draftlab train` process's start (start-up) to the run's end: "
+                                "the span `draftlab plan` predicts as wall_clock_s (= timing.wall_s)")
     tokens_per_s: float
     accounting: str
     bottleneck: str
@@ -333,6 +334,8 @@ class TrainRecord(Record):
     harness_cpu: dict[str, Any] | None = None
     tracking: dict[str, float] | None = Field(None, description="the writing rank's tracking stall "
                                               "(RankDone.tracking) and the launcher's outages")
+    torchrun_wall_s: float | None = Field(None, description="torchrun's span alone (the ranks: from their "
+                                          "launch to their exit), shorter than wall_clock_s")
 
 
 TRAIN = "run `draftlab train` (or `dvc repro train`)"
@@ -365,7 +368,17 @@ class SpooledArtifact(Record):
     artifact_path: str | None = None
 
 
-SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact, Field(discriminator="kind")]
+class SpooledEnd(Record):
+    """The run's end (MlflowTracker.end): status and when it ended, as MLflow's set_terminated takes them."""
+
+    run_id: str
+    kind: Literal["end"]
+    status: Literal["FINISHED", "FAILED", "KILLED"]
+    end_time: int
+
+
+SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact | SpooledEnd,
+                        Field(discriminator="kind")]
 _SPOOL = TypeAdapter(SpoolRecord)
 
 

@@ -9,9 +9,12 @@ the experiment a model-training one; `ui_url()` is the link draftlab prints.
 If the tracking server cannot be reached, `MlflowTracker` keeps going: every call is appended
 to a local JSONL spool (draftlab.rundir.SpoolRecord), the server is tried again every
 RETRY_ONLINE_S, and `draftlab tracking-import SPOOL` replays the spool later (MLflow skips metric
-records it already has, so importing twice logs nothing twice). A training rank's writes fail
-fast (RANK_HTTP_ENV): MLflow's client would retry a dead server 7 times with exponential
-back-off, minutes per call, and the rank waits for its queued records before every checkpoint.
+records it already has, so importing twice logs nothing twice). The run's end (its status) is a
+spool record too (`MlflowTracker.end`): a server that stays down to the end costs nothing but
+one import, after which the run is complete and FINISHED. A training rank's writes fail fast
+(RANK_HTTP_ENV): MLflow's client would retry a dead server 7 times with exponential back-off,
+minutes per call, and the rank waits for its queued records before every checkpoint; every
+other draftlab process fails almost as fast (PROCESS_HTTP_ENV, the CLI's default).
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ RETRY_ONLINE_S = 10.0
 # MLflow's REST client settings for a rank's writes (read by MLflow on every request): one try,
 # 5 s at most; what fails goes to the spool.
 RANK_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# A stage's own process (the launcher, extract, evaluate, export, a sweep): two retries a second
+# apart, 10 s each; a user's MLFLOW_HTTP_* settings win.
+PROCESS_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def fail_fast_defaults() -> None:
+    """PROCESS_HTTP_ENV where the user set nothing (the CLI calls it before every command)."""
+    for key, value in PROCESS_HTTP_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def tracking_uri() -> str:
@@ -97,6 +110,7 @@ class MlflowTracker:
         self.offline = False
         self.offline_since = 0.0
         self.outages = 0  # times the server went away
+        self.spooled = 0  # records this tracker kept in the spool
         self.failed_call_s_max = 0.0  # the longest call that ended in the spool (retries, timeouts)
 
     def _call(self, kind: str, payload: dict, fn) -> None:
@@ -132,6 +146,20 @@ class MlflowTracker:
             from draftlab.rundir import append_spool
 
             append_spool(self.spool, {"run_id": self.run_id, "kind": kind, **payload})
+            self.spooled += 1
+
+    def end(self, status: str = "FINISHED") -> None:
+        """The run's end, as its one owner sets it; kept in the spool if the server is away."""
+        now = int(time.time() * 1000)
+        self._call("end", {"status": status, "end_time": now},
+                   lambda: self.client.set_terminated(self.run_id, status, end_time=now))
+
+    def spool_line(self, stage: str) -> str | None:
+        """The one line a stage prints at its end if its records wait in the spool, else None."""
+        if not self.spooled:
+            return None
+        return (f"{stage}: MLflow was unreachable; {self.spooled} record(s) of run {self.run_id} wait in "
+                f"{self.spool}: upload them with `draftlab tracking-import {self.spool}`")
 
     def _warn(self, err: Exception) -> None:
         where = self.spool or "nowhere (no spool configured)"
@@ -182,7 +210,7 @@ class MlflowTracker:
                 self._spool("metrics", payload(rec))
 
     def log_artifact(self, path, artifact_path=None):
-        self._call("artifact", {"path": str(path), "artifact_path": artifact_path},
+        self._call("artifact", {"path": str(Path(path).resolve()), "artifact_path": artifact_path},
                    lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
     def set_tags(self, tags):
@@ -226,6 +254,8 @@ def replay_spool(spool: Path) -> int:
             store.log_batch(rec.run_id, params=[Param(k, v) for k, v in rec.params.items()])
         elif rec.kind == "tags":
             store.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
+        elif rec.kind == "end":
+            store.set_terminated(rec.run_id, rec.status, end_time=rec.end_time)
         else:
             store.log_artifact(rec.run_id, rec.path, rec.artifact_path)
     flush()
@@ -278,20 +308,54 @@ def run_id_of(train_dir: Path) -> str:
     return RunDir(train_dir).train.read().run_id
 
 
+def spool_beside(out_dir: Path) -> Path:
+    """The spool of a stage whose output DVC hashes (extract, evaluate, export): a hidden file
+    beside that output, so neither an outage nor its import changes the output."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f".{out_dir.name}.tracking-spool.jsonl"
+
+
 @contextlib.contextmanager
-def stage_run(stage: str, *, experiment: str = EXPERIMENT):
-    """An MLflow run owned by one stage process (extract): FINISHED on success, FAILED otherwise."""
+def system_metrics(run_id: str):
+    """MLflow's system-metrics sampler on run `run_id` while the block runs (a fluent run). The
+    run's status stays its owner's (MlflowTracker.end): an unreachable server at the start costs
+    the samples, at the end nothing (MLflow's own end_run would raise there)."""
     import mlflow
+    from mlflow.tracking import fluent
+
+    try:
+        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.start_run(run_id=run_id, log_system_metrics=True)
+    except Exception as err:  # noqa: BLE001 — an outage: no system metrics, the work goes on
+        MlflowTracker._say(f"no system metrics for run {run_id} (MLflow unreachable: {type(err).__name__})")
+        yield
+        return
+    try:
+        yield
+    finally:
+        monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)
+        if monitor is not None:
+            monitor.finish()  # MLflow's end_run finishes it only after a successful set_terminated
+        with contextlib.suppress(Exception):  # the fluent stack is popped before MLflow's call fails
+            mlflow.end_run()
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, *, spool: Path | None = None, experiment: str = EXPERIMENT):
+    """An MLflow run owned by one stage process (extract): FINISHED on success, FAILED otherwise.
+    Writes after its start that find the server away go to `spool` (its end included)."""
+    from draftlab.console import console
 
     store = client()
     run = store.create_run(experiment_id(store, experiment), run_name=run_name(stage))
-    tracker = MlflowTracker(run.info.run_id)
+    tracker = MlflowTracker(run.info.run_id, spool=spool)
     tracker.set_tags({**git_tags(), "draftlab.stage": stage})
     status = "FAILED"
-    mlflow.set_tracking_uri(store.tracking_uri)  # the fluent run below carries MLflow's system metrics
     try:
-        with mlflow.start_run(run_id=run.info.run_id, log_system_metrics=True):
+        with system_metrics(run.info.run_id):
             yield tracker
         status = "FINISHED"
     finally:
-        store.set_terminated(run.info.run_id, status)
+        tracker.end(status)
+        if line := tracker.spool_line(stage):
+            console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)

@@ -103,7 +103,8 @@ def _refused(proc, *needles):
 CASES = {
     # name: (params edit on the tiny params, stage, what the line names, also under `dvc repro`)
     "total_seq_len": (lambda p: p["train"].update(total_seq_len=3), "train", "train.total_seq_len: 3 would truncate", True),
-    "layer_ids": (lambda p: p["extract"].update(layer_ids=[2, 4, 99]), "extract", "extract.layer_ids", False),
+    # under dvc repro, verify refuses it before DVC deletes extract's output (the published store)
+    "layer_ids": (lambda p: p["extract"].update(layer_ids=[2, 4, 99]), "extract", "extract.layer_ids", True),
     "missing_target": (lambda p: p["target"].update(source="local", path="no/such/model"), "target", "target.path", True),
     "num_samples": (lambda p: p["prepare"].update(num_samples=-1), "prepare", "prepare.num_samples", True),
 }
@@ -117,6 +118,8 @@ def test_a_bad_param_is_refused_and_nothing_produced_changes(copy, case):
     edit(params)
     _set(root, yaml.safe_dump(params, sort_keys=False))
     before = snapshot(root)
+    store_files = [rel for rel in before if rel.startswith("data/hidden_states/")]
+    assert len(store_files) > 1 and "data/hidden_states/manifest.json" in store_files, "the store is hashed too"
     _refused(_sh(_stage_cmd(root, stage), root, env, ok=False), needle)
     assert snapshot(root) == before
     if under_dvc:
@@ -164,6 +167,13 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(blob))
 
 
+def _rot(path: Path) -> None:
+    """Bit rot: a flipped byte, size and mtime as they were."""
+    st = path.stat()
+    _flip_byte(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_damaged_files_are_named_by_train_and_repaired_by_extract(copy):
     root, env = copy
     hs = root / "data/hidden_states"
@@ -175,7 +185,11 @@ def test_damaged_files_are_named_by_train_and_repaired_by_extract(copy):
     before = snapshot(root)
     line = _refused(_sh(_stage_cmd(root, "train"), root, env, ok=False), "hidden_states/hs_", store.REPAIR)
     assert "3 bad file(s)" in line  # sizes and headers: the flipped byte is the loader's (below)
-    assert snapshot(root) == before, "a refused training must not touch runs/train"
+    after = snapshot(root)
+    recorded = {rel for rel in after if rel.endswith(store.BAD_FILES)}
+    assert recorded == {f"data/hidden_states/{store.BAD_FILES}", f"data/.hidden_states.work/{store.BAD_FILES}"}, \
+        "what training named is recorded in the store, for extract"
+    assert {k: v for k, v in after.items() if k not in recorded} == before, "a refused training must not touch runs/train"
     verify = _sh([sys.executable, "-m", "draftlab.cli", "verify", str(hs)], root, env, ok=False)
     assert verify.returncode == 2
     for n, what in ((3, "corrupt"), (5, "truncated"), (7, "missing"), (9, "garbage header")):
@@ -199,7 +213,7 @@ def test_a_flipped_byte_stops_training_at_the_file(copy):
     root, env = copy
     hs = root / "data/hidden_states"
     good = (hs / "hs_0.safetensors").read_bytes()
-    _flip_byte(hs / "hs_0.safetensors")
+    _rot(hs / "hs_0.safetensors")  # extract alone would trust it (size and mtime as written)
     cmd = _stage_cmd(root, "train")
     cmd[cmd.index("--out") + 1] = "runs/other"
     proc = _sh(cmd, root, env, ok=False)
@@ -216,6 +230,9 @@ def test_a_flipped_byte_stops_training_at_the_file(copy):
 
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "FAILED"
+    assert "hs_0.safetensors" in store.recorded_bad(hs), "the loader recorded what it named"
+    status = " ".join(_sh(["dvc", "status"], root, env).stdout.split())
+    assert "extract: changed outs:" in status and "data/hidden_states" in status, status  # the record is new there
     fix = _sh(_stage_cmd(root, "extract"), root, env)
     assert "re-extracting" in fix.stderr and "hs_0.safetensors: corrupt" in _flat(fix)
     assert (hs / "hs_0.safetensors").read_bytes() == good

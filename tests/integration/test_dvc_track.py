@@ -41,7 +41,7 @@ def test_the_default_tracks_every_file_of_the_store(repo):
 
     assert load_params(repo / "params.yaml").extract.dvc_track == "files"
     assert dvc_track.declared(repo / "dvc.yaml") == "files"
-    assert _dvc_outs(repo) == [("data/hidden_states", True, False)]
+    assert _dvc_outs(repo) == [("data/hidden_states", True, False), ("reports/extract.json", False, True)]
 
 
 def test_manifest_mode_makes_only_the_manifest_an_output_and_back(repo):
@@ -49,12 +49,15 @@ def test_manifest_mode_makes_only_the_manifest_an_output_and_back(repo):
     res = CliRunner().invoke(app, ["dvc-track", "manifest"])
     assert res.exit_code == 0, res.output
     assert yaml.safe_load((repo / "params.yaml").read_text())["extract"]["dvc_track"] == "manifest"
-    assert _dvc_outs(repo) == [("data/hidden_states/manifest.json", False, True)]
+    assert _dvc_outs(repo) == [("data/hidden_states/manifest.json", False, True), ("reports/extract.json", False, True)]
     # the rest of both files is untouched: every other stage, the comments
     assert "# The whole store" in (repo / "dvc.yaml").read_text()
     assert "# null = [2, L//2, L-3]" in (repo / "params.yaml").read_text()
-    other = lambda text: {k: v for k, v in yaml.safe_load(text)["stages"].items() if k != "extract"}  # noqa: E731
+    other = lambda text: {k: v for k, v in yaml.safe_load(text)["stages"].items() if k not in ("extract", "verify")}  # noqa: E731
     assert other((repo / "dvc.yaml").read_text()) == other(before_dvc)
+    # DVC cannot see the store's files in this mode: the store check runs on every `dvc repro`
+    assert yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["verify"]["always_changed"] is True
+    assert "always_changed" not in yaml.safe_load(before_dvc)["stages"]["verify"]
 
     assert CliRunner().invoke(app, ["dvc-track", "files"]).exit_code == 0
     assert yaml.safe_load((repo / "dvc.yaml").read_text()) == yaml.safe_load(before_dvc)

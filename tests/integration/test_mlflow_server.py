@@ -172,6 +172,65 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
     assert "sweep/best_value" in client.get_run(parent).data.metrics
 
 
+def test_a_server_that_stays_down_to_the_end_costs_one_import(built, tmp_path, mlflow_server):
+    """The server dies mid-training and is not back before `dvc repro` ends: train, evaluate and
+    export still exit 0, each with one line naming its spool and `draftlab tracking-import`;
+    started again, one import of those spools makes the run complete and FINISHED, no rerun."""
+    import mlflow
+    import requests
+
+    from tests.conftest import train_ranks_of
+
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, HF_HUB_OFFLINE="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    repo = _repo_with_store(built, tmp_path / "repo", env, epochs=2, total_seq_len=96, draft_vocab_size=64,
+                            num_workers=0)
+    out, spool = repo / "runs/train", repo / "runs/train/tracking-spool.jsonl"
+    dvc = subprocess.Popen(["dvc", "repro", "--downstream", "train"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
+    ranks = wait_for(lambda: train_ranks_of(out), 30, "the rank")
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    mlflow_server.kill()  # and it stays down until dvc repro has ended
+    for pid in ranks:
+        os.kill(pid, signal.SIGCONT)
+    output = dvc.communicate(timeout=900)[0]
+    assert dvc.returncode == 0, output[-4000:]
+    flat = [" ".join(line.split()) for line in output.splitlines()]
+    spools = {"train": spool, "evaluate": repo / ".reports.tracking-spool.jsonl",
+              "export": repo / "models/.draft.tracking-spool.jsonl"}
+    for stage, path in spools.items():
+        rel = path.relative_to(repo)
+        named = [line for line in flat if f"draftlab tracking-import {rel}" in line]
+        assert len(named) == 1, f"{stage}: one line names {rel}: {named}"
+        assert path.is_file(), f"{stage} kept its records in {rel}"
+    assert "Traceback" not in output
+    assert json.loads((repo / "reports/metrics.json").read_text())["run_id"] == json.loads(
+        (out / "train.json").read_text())["run_id"]
+    kinds = [json.loads(line)["kind"] for line in spool.read_text().splitlines()]
+    assert kinds[-1] == "end" and {"metrics", "artifact", "tags"} <= set(kinds), "the launcher's end-of-run writes"
+
+    mlflow_server.start()  # same port, same PostgreSQL store
+    _run(["draftlab", "tracking-import", *(str(p.relative_to(repo)) for p in spools.values())], repo, env)
+    assert not any(p.exists() for p in spools.values())
+    client = mlflow.MlflowClient(mlflow_server.url)
+    result = json.loads((out / "train.json").read_text())
+    run_id, total = result["run_id"], result["total_steps"]
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+    assert steps == list(range(total)), "every step, once"
+    api = f"{mlflow_server.url}/api/2.0/mlflow"
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30).json()["run"]
+    assert run["info"]["status"] == "FINISHED" and int(run["info"]["end_time"]) > int(run["info"]["start_time"])
+    metrics = {m["key"] for m in run["data"]["metrics"]}
+    assert {"train/loss", "perf/run_wall_clock_s", "eval/simulated_acc_len", "eval/measured_acc_len"} <= metrics
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["draftlab.accounting"] == "verified" and tags["draftlab.export"] and tags["draftlab.bottleneck"]
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert {"accounting.json", "accounting-check.json", "bottleneck.json", "checkpoint", "evaluate", "export"} <= top
+    assert {"export/config.json"} <= {a.path for a in client.list_artifacts(run_id, "export")}
+
+
 class _Clock:
     def __init__(self):
         self.t = time.time()

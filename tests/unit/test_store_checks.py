@@ -25,3 +25,47 @@ def test_layer_ids_are_checked_against_the_target_depth():
     with pytest.raises(ParamsError, match=r"extract.layer_ids: \[2, 4, 99\] out of range for a target with 8 layers"):
         resolve_layer_ids([2, 4, 99], 8)
     assert resolve_layer_ids([1, 3, 4], 6) == [1, 3, 4]
+
+
+def test_bit_rot_a_reader_recorded_is_rehashed_and_redone_by_extract(tmp_path):
+    """A flipped byte with size and mtime unchanged: extract trusts the file by its stat, until a
+    reader (or `draftlab verify`) records it bad; then extract re-hashes it and forgets it in
+    the journal (so it is re-extracted, after a kill too) and consumes the record."""
+    import hashlib
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from draftlab.console import console
+    from draftlab.stages.extract import drop_bad_files
+    from draftlab.store import layout as store
+
+    published = tmp_path / "hidden_states"
+    work = store.work_dir(published)
+    work.mkdir()
+    published.mkdir()
+    journal = store.Journal.open(work, "key")
+    recs = []
+    for i in range(2):
+        path = work / store.file_name(i)
+        save_file({"hidden_states": np.full((3, 4, 2), i, np.float32), "token_ids": np.arange(3)}, str(path))
+        blob = path.read_bytes()
+        recs.append({"index": i, "name": path.name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+                     "tokens": 3, "mtime_ns": path.stat().st_mtime_ns})
+        os.link(path, published / path.name)  # published as hardlinks, as extract does
+    journal.record(recs)
+    rotten = work / "hs_1.safetensors"
+    st = rotten.stat()
+    blob = bytearray(rotten.read_bytes())
+    blob[-1] ^= 0xFF
+    rotten.write_bytes(bytes(blob))
+    os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert drop_bad_files(work, journal, console, published=published) == [], "trusted by size and mtime"
+
+    store.record_bad(published, {"hs_1.safetensors": "corrupt (sha256 differs from the manifest)"})
+    assert set(store.recorded_bad(published)) == set(store.recorded_bad(work)) == {"hs_1.safetensors"}
+    bad = drop_bad_files(work, journal, console, published=published)
+    assert len(bad) == 1 and "hs_1.safetensors: corrupt" in bad[0]
+    assert set(journal.done) == {0} and set(store.Journal.open(work, "key").done) == {0}, "redone after a kill too"
+    assert store.recorded_bad(work) == {}

@@ -340,6 +340,49 @@ def test_an_unsettled_calibration_is_redone_with_twice_the_steps(tmp_path):
 
 
 
+def test_the_tiny_default_calibrates_once_per_gpu_count_and_completes_trials_in_6_minutes(tmp_path):
+    """The tiny default's epochs hold 5 packed steps at 1 GPU and 3 at 2 (params.yaml: 144 train
+    rows, 1,024-token packing): a calibration (epochs 2, max_steps 20) trains 10 or 6 steps, and
+    the settled test over the last 10 step times (costmodel.settled) can never pass on them.
+    Asking again with twice the steps would retrain the same steps until the budget is gone."""
+    import math
+
+    from draftlab.plan.costmodel import settled
+    from tests.sweep_sim import EPOCH_S, FIXED, STEP_S
+
+    per_epoch = {1: 5, 2: 3}
+
+    def tiny_steps(params):
+        t = params.train
+        return sum(steps_under_max_steps([per_epoch[t.gpus]] * t.epochs, t.max_steps))
+
+    def duration(params):
+        return FIXED + tiny_steps(params) * STEP_S[params.train.gpus] + params.train.epochs * EPOCH_S
+
+    def inner_intervals_settle(spec):  # the real rule on the step times such a run has (no boundary)
+        t = spec.params.train
+        ends = {sum([per_epoch[t.gpus]] * (i + 1)) - 1 for i in range(t.epochs)}
+        inner = [1.0 for s in range(tiny_steps(spec.params) - 1) if s not in ends]
+        return settled(inner)
+
+    clock, lines = FakeClock(), []
+    launcher = SimLauncher(clock, duration=duration, settled=inner_intervals_settle, steps=tiny_steps)
+    spec = make_spec(tmp_path, budget="6m", safety_margin=0.1,
+                     calibration={"steps": 20, "max_s": 120, "max_steps": 320})  # experiments/sweep-tiny.yaml's
+    w = make_worker(tmp_path, spec, clock, launcher, steps_fn=tiny_steps, log=lines.append)
+    run_to_end(w, clock)
+    cal = [s.params.train.gpus for s, _, _ in launcher.started if s.role == "calibration"]
+    assert sorted(cal) == [1, 2], f"one calibration per GPU count, not {cal}"
+    assert statuses(w.study).count("completed") >= 1, lines
+    assert w.calibration_spent_s() <= spec.calibration.budget_share * w.budget_s
+    assert any("the epochs hold only 10 of the 20 steps asked" in line and "safety margin" in line for line in lines)
+    assert not any("calibrating again" in line or "again with" in line for line in lines), lines
+    launched = [line for line in lines if "(calibration) on" in line]
+    assert launched and all("stopped if still running at" in line for line in launched), \
+        "the deadline is not said as if it had happened"
+    assert math.isclose(w.calibration_bound_s(), 0.4 * 360)
+
+
 # ---------------------------------------------------------------- what the study and its report show
 
 

@@ -169,3 +169,49 @@ def test_import_of_a_long_spool_of_two_runs_keeps_every_value_with_its_run_and_s
     assert sorted((m.step, m.value) for m in client.get_metric_history(b, "train/loss")) == [(0, 0), (400, -400),
                                                                                             (800, -800)]
     assert client.get_run(a).data.params == {"world_size": "8"} and not client.get_run(b).data.params
+
+
+def test_a_run_whose_server_stays_away_to_its_end_is_finished_by_one_import(tmp_path, monkeypatch, store_uri):
+    """The run's owner ends it during the outage: the end (status, time) and the artifact wait in
+    the spool with the metrics; importing them makes the run complete and FINISHED, ended then."""
+    import mlflow
+
+    from draftlab.tracking import RANK_HTTP_ENV, MlflowTracker, replay_spool
+
+    for k, v in RANK_HTTP_ENV.items():
+        monkeypatch.setenv(k, v)
+    client = mlflow.MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # away, and it stays away
+    spool = tmp_path / "spool.jsonl"
+    tracker = MlflowTracker(run_id, spool=spool)
+    tracker.log_metrics({"train/loss": 1.0}, step=0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "accounting.json").write_text("{}")
+    tracker.log_artifact("accounting.json")  # relative to where the stage ran, not where the import runs
+    tracker.set_tags({"draftlab.accounting": "verified"})
+    tracker.end("FINISHED")
+    assert client.get_run(run_id).info.status == "RUNNING", "nothing reached the store"
+    line = tracker.spool_line("train")
+    assert f"draftlab tracking-import {spool}" in line and "4 record(s)" in line
+
+    monkeypatch.chdir("/")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    assert replay_spool(spool) == 4
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time is not None
+    assert run.data.tags["draftlab.accounting"] == "verified" and run.data.metrics["train/loss"] == 1.0
+    assert [a.path for a in client.list_artifacts(run_id)] == ["accounting.json"]
+
+
+def test_a_tracker_that_never_lost_the_server_says_nothing(monkeypatch, store_uri):
+    import mlflow
+
+    from draftlab.tracking import MlflowTracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    client = mlflow.MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    tracker = MlflowTracker(run_id, spool=None)
+    tracker.end("FAILED")
+    assert tracker.spool_line("evaluate") is None and client.get_run(run_id).info.status == "FAILED"

@@ -184,13 +184,17 @@ def publish(work: Path, out_dir: Path, key: str, console) -> None:
     tmp.rename(out_dir)
 
 
-def drop_bad_files(out_dir: Path, journal: store.Journal, console) -> list[str]:
+def drop_bad_files(out_dir: Path, journal: store.Journal, console, published: Path | None = None) -> list[str]:
     """Repair: journaled files that fail verification are forgotten, so they are re-extracted.
-    An untouched file (size and mtime as written) is trusted; a touched one is re-hashed."""
+    An untouched file (size and mtime as written) is trusted, unless a reader or `draftlab
+    verify` recorded it bad (store.record_bad, here or in the `published` store): that one is
+    re-hashed; a touched one is re-hashed too. The record is consumed here: what it names is
+    either good or forgotten by the journal (so redone even after a kill)."""
+    suspect = set(store.recorded_bad(out_dir)) | (set(store.recorded_bad(published)) if published else set())
     bad, restamped = {}, False
     for i, rec in journal.done.items():
         path = out_dir / rec["name"]
-        problem = store.file_problem(path, rec, full=True, trust_stat=True)
+        problem = store.file_problem(path, rec, full=True, trust_stat=rec["name"] not in suspect)
         if problem:
             bad[i] = f"{path}: {problem}"
         elif rec.get("mtime_ns") != (mtime := path.stat().st_mtime_ns):
@@ -199,6 +203,7 @@ def drop_bad_files(out_dir: Path, journal: store.Journal, console) -> list[str]:
         console.print(f"[yellow]extract[/]: re-extracting {line}", soft_wrap=True)
     if bad or restamped:
         journal.forget(set(bad))
+    store.clear_bad(out_dir)
     return sorted(bad.values())
 
 
@@ -224,7 +229,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, trac
     dtype = params.extract.dtype
     work, journal = open_work(out_dir, key, console)
     written = {i: r["sha256"] for i, r in journal.done.items()}
-    drop_bad_files(work, journal, console)
+    drop_bad_files(work, journal, console, published=out_dir)
     heal = {i: sha for i, sha in written.items() if i not in journal.done}
 
     for torn in work.glob(".hs_*.tmp-*"):  # a kill mid-write leaves these; never counted as done

@@ -94,18 +94,22 @@ def _last_logged_step(run_id: str) -> int:
     return max((m.step for m in history), default=-1)
 
 
-def _tracking_stall(rd: RunDir, tracker, console) -> dict | None:
-    """The writing rank's tracking waits and outages (rank0-done.json); says where an outage's
-    records are and how to upload them."""
+def _tracking_stall(rd: RunDir, tracker) -> dict | None:
+    """The writing rank's tracking waits and outages (rank0-done.json)."""
     done = rd.rank_done.peek()
+    if done is None or done.tracking is None:
+        return None
+    return {**done.tracking, "launcher_outages": tracker.outages}
+
+
+def _say_spool(rd: RunDir, console) -> None:
+    """One line, after the run's last write, if any of its records (the ranks' or the launcher's,
+    its end included) wait in the spool."""
     spool = rd.spool_path
     if spool.exists():
         n = len(spool.read_text().splitlines())
         console.print(f"[yellow]tracking[/]: {n} record(s) of an MLflow outage are in {spool}; upload them with "
-                      f"`draftlab tracking-import {spool}`")
-    if done is None or done.tracking is None:
-        return None
-    return {**done.tracking, "launcher_outages": tracker.outages}
+                      f"`draftlab tracking-import {spool}`", soft_wrap=True)
 
 
 def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
@@ -199,11 +203,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         started = time.perf_counter()
         launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
         mlflow.set_system_metrics_sampling_interval(2)
-        mlflow.set_tracking_uri(tracking.tracking_uri())  # the fluent run below carries MLflow's system metrics
         from draftlab.observe import bottleneck, telemetry
         from draftlab.observe.live import LiveVerdict
 
-        with mlflow.start_run(run_id=run_id, log_system_metrics=True):
+        with tracking.system_metrics(run_id):
             threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
             live_verdict = LiveVerdict(sampler, out_dir, tracker, console=console).start()  # observe.live
@@ -218,13 +221,13 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         rd.launch_file().unlink()
         wall = time.perf_counter() - started
         launcher_cpu = time.process_time() - launcher_cpu
-        client = tracking.client()
         if rc != 0:
             failure = rd.failure.peek()
             why = failure.message if failure is not None else f"torchrun exited with {rc}"
             if failure is not None and failure.reason in ("diverged", "stalled", "diverging"):
                 tracker.set_tags({"draftlab.convergence": failure.reason})  # rank 0 may have been stopped first
-            client.set_terminated(run_id, "FAILED")
+            tracker.end("FAILED")
+            _say_spool(rd, console)
             logs = rd.logs  # speculators creates it late: name it only if it is there
             see = f"see {logs} and MLflow run {run_id}" if logs.is_dir() else f"see the output above and MLflow run {run_id}"
             raise failed_error(failure)(f"train: {why}; {see}")
@@ -240,7 +243,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         tracker.log_artifact(rd.accounting.path)
         tracker.log_artifact(rd.accounting_check.path)
         if problems:
-            client.set_terminated(run_id, "FAILED")
+            tracker.end("FAILED")
+            _say_spool(rd, console)
             raise TrainingFailed("train: accounting mismatch: " + "; ".join(problems))
         best = rd.checkpoints / "checkpoint_best"
         checkpoint = best.resolve() if best.exists() else max(rd.checkpoints.glob("[0-9]*"), key=lambda p: int(p.name))
@@ -252,16 +256,23 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         verdict = bottleneck.conclude(sampler, out_dir, tracker, flops_per_token=fpt)
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
-        tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": wall})
         harness = run_timing.harness_cpu(out_dir, launcher_cpu, a.total_steps)
         tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
-        timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, started_at, time.time(), tracker)
+        ended = time.time()
+        timing = None if resumed else run_timing.log_timing(a, step_tokens, out_dir, started_at, ended, tracker)
+        # wall_clock_s is one span wherever it is named (plan, train.json, MLflow, timing.wall_s):
+        # this process's start to the run's end; torchrun's (the ranks' alone) is torchrun_wall_s
+        span = ended - started_at
+        tracker.log_metrics({"perf/run_tokens_per_s": tokens_per_s, "perf/run_wall_clock_s": span,
+                             "perf/torchrun_wall_s": wall})
         rd.train.write(TrainRecord(
             run_id=run_id, checkpoint=str(checkpoint), total_steps=a.total_steps, world_size=a.world_size,
-            wall_clock_s=round(wall, 2), tokens_per_s=round(tokens_per_s, 1), accounting="verified",
+            wall_clock_s=round(span, 2), torchrun_wall_s=round(wall, 2), tokens_per_s=round(tokens_per_s, 1),
+            accounting="verified",
             bottleneck=verdict.overall.label, calibration=params.train.max_steps is not None, timing=timing,
-            harness_cpu=harness, tracking=_tracking_stall(rd, tracker, console)))
-        client.set_terminated(run_id, "FINISHED")
-    console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {wall:.1f} s; "
-                  f"checkpoint {checkpoint}; MLflow run {run_id}")
-    return TrainResult(run_id, out_dir, checkpoint, a.total_steps, wall)
+            harness_cpu=harness, tracking=_tracking_stall(rd, tracker)))
+        tracker.end("FINISHED")
+        _say_spool(rd, console)
+    console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {span:.1f} s "
+                  f"(torchrun {wall:.1f} s); checkpoint {checkpoint}; MLflow run {run_id}")
+    return TrainResult(run_id, out_dir, checkpoint, a.total_steps, span)

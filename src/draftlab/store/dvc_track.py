@@ -7,7 +7,10 @@ params.yaml and dvc.yaml's `extract` stage.
     manifest  only `<store>/manifest.json` is extract's output (`cache: false`, `persist: true`):
               DVC hashes one small file and never reads the store; the files are outside DVC
               (move them yourself; `draftlab verify` checks them against the manifest's sha256s).
-              For hosts where hashing every new store costs too much.
+              For hosts where hashing every new store costs too much. DVC cannot see a
+              damaged store file then, so dvc.yaml's `verify` stage is `always_changed` in this
+              mode only (in `files` mode DVC's own output check notices a changed file, and
+              `dvc status` stays clean while nothing changed).
 
 dvc.yaml cannot pick an output from a param (DVC's templating substitutes values, not choices),
 so `draftlab dvc-track MODE` writes both files, and `draftlab extract` refuses to run when they
@@ -22,19 +25,28 @@ from draftlab.rundir import StoreDir
 
 MODES = ("files", "manifest")
 STAGE = "extract"
+CHECK = "verify"  # the store check before extract: always_changed in manifest mode only
 
 
-def outs_for(mode: str, store: str) -> list:
-    """extract's `outs` in dvc.yaml for `mode`, `store` being the stage's `--out` folder."""
+def outs_for(mode: str, store: str, report: str | None = None) -> list:
+    """extract's `outs` in dvc.yaml for `mode`, `store` being the stage's `--out` folder and
+    `report` its `--report` file. The report is `persist`, which keeps DVC from restoring the
+    store from its run-cache: a store DVC sees changed (a damaged file, a bad-files record) is
+    re-extracted, not checked out again from cache objects that share its damaged inodes."""
+    tail = [{report: {"cache": False, "persist": True}}] if report else []
     if mode == "files":
-        return [store]
+        return [store, *tail]
     manifest = StoreDir(Path(store)).manifest.path.name  # `store` kept as written in dvc.yaml
-    return [{f"{store}/{manifest}": {"cache": False, "persist": True}}]
+    return [{f"{store}/{manifest}": {"cache": False, "persist": True}}, *tail]
+
+
+def _arg(stage: dict, flag: str, default: str | None) -> str | None:
+    words = str(stage.get("cmd", "")).split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else default
 
 
 def _store_arg(stage: dict) -> str:
-    words = str(stage.get("cmd", "")).split()
-    return words[words.index("--out") + 1] if "--out" in words[:-1] else "data/hidden_states"
+    return _arg(stage, "--out", "data/hidden_states")
 
 
 def declared(dvc_yaml: Path) -> str | None:
@@ -50,7 +62,7 @@ def declared(dvc_yaml: Path) -> str | None:
     store = _store_arg(stage)
     outs = stage.get("outs") or []
     for mode in MODES:
-        if outs == outs_for(mode, store):
+        if outs == outs_for(mode, store, _arg(stage, "--report", None)):
             return mode
     return None
 
@@ -91,12 +103,18 @@ def write(mode: str, *, params_yaml: Path, dvc_yaml: Path) -> None:
     if stage is None:
         raise ValueError(f"{dvc_yaml}: no `{STAGE}` stage to set the store's outputs on")
     outs = CommentedSeq()
-    for out in outs_for(mode, _store_arg(stage)):
+    for out in outs_for(mode, _store_arg(stage), _arg(stage, "--report", None)):
         if isinstance(out, dict):
             (path, opts), = out.items()
             out = CommentedMap({path: CommentedMap(opts)})
         outs.append(out)
     stage["outs"] = outs
+    check = pipeline["stages"].get(CHECK)
+    if check is not None:
+        if mode == "manifest":
+            check["always_changed"] = True
+        else:
+            check.pop("always_changed", None)
     params = y.load(params_yaml.read_text()) or CommentedMap()
     params.setdefault("extract", CommentedMap())["dvc_track"] = mode
     for path, doc in ((dvc_yaml, pipeline), (params_yaml, params)):

@@ -9,6 +9,8 @@ Layout of a store folder:
                          dequantized on read by speculators' `--hidden-states-backend fp8`)
     .journal.jsonl       line 1: the store key; then one line per finished batch of files
     manifest.json        written last: key, its fields, dtype, per-file bytes/sha256/tokens, totals
+    bad-files.jsonl      files a reader or `draftlab verify` found bad (name, problem): the next
+                         extract re-hashes and re-extracts them whatever their size and mtime say
 
 DVC versions the whole folder (a persistent output of `extract`, cached by hardlink); the
 manifest's sha256s, computed from bytes already in memory during extraction, let `draftlab verify`
@@ -241,29 +243,76 @@ def journal_stamps(store_dir: Path) -> dict[str, int]:
     return stamps
 
 
-def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False) -> list[str]:
+def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False, record: bool = False) -> list[str]:
     """Problems found: missing, truncated, garbage-header, other-dtype (than the manifest's) or
     (full=True: re-hashed) corrupt files.
     changed_only: a file whose mtime is the one recorded when it was written is not re-hashed
-    (the cheap check `dvc repro` runs before extract)."""
+    (the cheap check `dvc repro` runs before extract); a file in the store's bad-files record
+    is re-hashed whatever its mtime. record: what is found goes into that record (record_bad)."""
     store_dir = Path(store_dir)
     manifest = read_manifest(store_dir)
     want_dtype = manifest.dtype
     stamps = journal_stamps(store_dir) if changed_only else {}
+    suspect = set(recorded_bad(store_dir))
     problems = []
     for f in manifest.files:
         rec = f.model_dump()
         path = store_dir / f.name
         stamped = {**rec, "mtime_ns": stamps[f.name]} if f.name in stamps else rec
-        problem = file_problem(path, stamped, full=full, trust_stat=changed_only)
+        again = f.name in suspect
+        problem = file_problem(path, stamped, full=full or again, trust_stat=changed_only and not again)
         if not problem and want_dtype and (got := _header_dtype(path)) != want_dtype:
             problem = f"holds {got} hidden states, the manifest says dtype {want_dtype}"
         if problem:
             problems.append(f"{path}: {problem}")
+    if record:
+        record_bad(store_dir, _problem_names(store_dir, problems))
     return problems
 
 
 REPAIR = "run `draftlab extract` (or `dvc repro extract`): it re-extracts only the bad files"
+BAD_FILES = "bad-files.jsonl"
+
+
+def record_bad(store_dir: Path, problems: dict[str, str]) -> None:
+    """Keep what a reader found bad ({file name: problem}) where extract looks: in the store's
+    work folder (extract's own copy, not a DVC output) and in `store_dir` itself, where DVC sees
+    a new file in extract's output (`dvc status`: extract changed) and `verify` reads it. A bad
+    file often keeps its size and mtime (bit rot): without this record extract would trust it."""
+    if not problems:
+        return
+    store_dir = Path(store_dir)
+    lines = "".join(json.dumps({"name": n, "problem": p}) + "\n" for n, p in sorted(problems.items()))
+    for folder in {store_dir, work_dir(store_dir)}:
+        if folder.is_dir():
+            try:
+                with open(folder / BAD_FILES, "a") as f:  # one write: several readers may append at once
+                    f.write(lines)
+            except OSError:
+                pass  # a read-only store: the reader's message still names the file
+
+
+def recorded_bad(store_dir: Path) -> dict[str, str]:
+    """{file name: problem} recorded in `store_dir` (a torn last line from a kill is skipped)."""
+    path = Path(store_dir) / BAD_FILES
+    out: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                out[str(rec["name"])] = str(rec["problem"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out
+
+
+def clear_bad(store_dir: Path) -> None:
+    Path(store_dir, BAD_FILES).unlink(missing_ok=True)
+
+
+def _problem_names(store_dir: Path, problems: list[str]) -> dict[str, str]:
+    prefix = f"{store_dir}/"
+    return {line[len(prefix):].split(": ", 1)[0]: line.split(": ", 1)[-1] for line in problems if line.startswith(prefix)}
 
 
 def _header_dtype(path: Path) -> str:

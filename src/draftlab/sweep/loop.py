@@ -31,6 +31,10 @@ from draftlab.sweep.storage import StudyStorage
 PARENT_RUN_ATTR = "draftlab.mlflow_parent_run_id"
 INTERMEDIATE_EVERY_S = 5.0
 MAX_CONSECUTIVE_REJECTIONS = 25
+# added to the safety margin of a trial predicted from a calibration whose step time had not
+# settled (too few steps to tell, or the calibration share of the budget spent): a wider
+# margin, not another calibration
+UNSETTLED_MARGIN = 0.25
 QUEUE_DEPTH = 2  # proposals and popped calibrations waiting for slots: the head, and one that may backfill
 
 
@@ -207,6 +211,16 @@ class Worker:
             self.log(f"trial {r.trial.number}: already ended in the study (another worker took this one for "
                      "dead); its result is not recorded")
 
+    def calibration_bound_s(self) -> float:
+        """The most of the budget calibration may take (calibration.budget_share)."""
+        return self.spec.calibration.budget_share * self.budget_s
+
+    def calibration_spent_s(self) -> float:
+        """Wall-clock of this study's calibration trials so far (finished ones and running ones)."""
+        spent = sum(float(t.user_attrs.get("wall_s") or 0.0) for t in self.study.get_trials(deepcopy=False)
+                    if t.user_attrs.get("role") == "calibration")
+        return spent + sum(self.clock.now() - r.started for r in self.running if r.spec.role == "calibration")
+
     def _record(self, r: Running, out: Outcome) -> None:
         from optuna.trial import TrialState
 
@@ -254,13 +268,18 @@ class Worker:
     def _calibrated(self, r: Running, out: Outcome) -> None:
         """A calibration is timing, not a trained draft: never told to the study as a completed
         trial with a value (FAIL: samplers and pruners ignore it); its point feeds the cost model.
-        An unsettled step time asks for a calibration with twice the steps."""
+        An unsettled step time asks for a calibration with twice the steps only when this one
+        trained every step it asked for (a tiny epoch holds fewer: twice the steps would train
+        the same ones) and the redo fits the calibration share of the budget; otherwise the
+        point is used and the margin of what it predicts widens (UNSETTLED_MARGIN)."""
         from optuna.trial import TrialState
 
         n, t = r.spec.params.train.gpus, r.trial
         point = point_from_outcome(n, t.number, out)
         steps = r.spec.params.train.max_steps or 0
-        again = not point.stable and 2 * steps <= self.spec.calibration.max_steps
+        trained = point.steps
+        fits = self.calibration_spent_s() + 2 * out.wall_s <= self.calibration_bound_s()
+        again = (not point.stable and trained >= steps and 2 * steps <= self.spec.calibration.max_steps and fits)
         t.set_user_attr("status", "calibration")
         t.set_user_attr("reason", f"timing only ({steps} steps): " + (
             f"step time not settled, calibrating again with {2 * steps}" if again else
@@ -276,7 +295,10 @@ class Worker:
             return
         self._save_calibration(point)
         self.rejections_in_a_row = 0
-        settled = "" if point.stable else f" (step time not settled within {steps} steps)"
+        why = (f"the epochs hold only {trained} of the {steps} steps asked" if trained < steps else
+               "a redo would pass the calibration share of the budget" if not fits else f"{steps} steps")
+        settled = "" if point.stable else (f" (step time not settled: {why}; trials predicted from it get "
+                                           f"+{UNSETTLED_MARGIN:g} safety margin)")
         self.log(f"calibration at {n} GPU(s): start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + "
                  f"{point.epoch_s:.1f} s/epoch + evaluate {point.after_s or 0:,.1f} s; "
                  f"{point.tokens_per_s:,.0f} tokens/s{settled}")
@@ -413,6 +435,8 @@ class Worker:
                     self._wait_for_calibration(p)
                 return "stop"
             predicted = pred.wall_s
+            if not pred.point.stable:
+                margin += UNSETTLED_MARGIN
             cap, why = (self.cap_s, "cap") if self.cap_s is not None and self.cap_s < remaining else (remaining, "budget")
             if predicted * margin > cap:
                 self.queue.remove(p)
@@ -456,7 +480,7 @@ class Worker:
         self.running.append(Running(p.trial, spec, handle, now, now + cap, why, predicted))
         pred = f"predicted {predicted:,.0f} s, " if predicted is not None else ""
         self.log(f"trial {p.trial.number} ({p.role}) on {devices}: {json.dumps(p.values)}; lr resolved "
-                 f"{p.params.train.resolved_lr():.3g}; {pred}stopped at {cap:,.0f} s ({why})")
+                 f"{p.params.train.resolved_lr():.3g}; {pred}stopped if still running at {cap:,.0f} s ({why})")
 
     def close(self, reason: str = "the sweep was interrupted") -> None:
         """Leave no trial of this worker RUNNING: stop what still runs (SIGKILL: an interrupted

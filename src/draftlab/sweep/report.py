@@ -13,6 +13,9 @@ from draftlab.sweep.space import SweepSpec
 from draftlab.util import write_json_atomic
 
 
+SPOOL = "tracking-spool.jsonl"  # the sweep's own MLflow writes (parent run) during an outage
+
+
 def _plot_pareto(rows: list[dict], front: list[dict], metric: str, path: Path) -> None:
     import matplotlib
 
@@ -97,6 +100,11 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     summary = {"study": spec.study, "objective": spec.objective.metric, "direction": spec.objective.direction,
                "budget_s": budget_s, "spent_s": round(spent_s, 1), "overrun_s": round(max(spent_s - budget_s, 0), 1),
                "ended": ended, "trials": counts, "calibration": model_points,
+               # calibration's bound (calibration.budget_share) and what its trials took of the budget
+               "calibration_budget": {"share": spec.calibration.budget_share,
+                                      "bound_s": round(spec.calibration.budget_share * budget_s, 1),
+                                      "spent_s": round(sum(r["wall_s"] or 0.0 for r in rows
+                                                           if r["role"] == "calibration"), 1)},
                "scaling_efficiency": {str(k): v for k, v in efficiency.items()}}
     done = [r for r in rows if r["status"] == "completed"]
     if done:
@@ -133,7 +141,7 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     if run_id:
         from draftlab.tracking import MlflowTracker
 
-        tracker = MlflowTracker(run_id)
+        tracker = MlflowTracker(run_id, spool=out_dir / SPOOL)
         metrics = {"sweep/spent_s": spent_s, "sweep/budget_s": budget_s, "sweep/overrun_s": summary["overrun_s"],
                    **{f"sweep/trials_{k.replace('-', '_')}": v for k, v in counts.items()},
                    **{f"sweep/scaling_efficiency_{n}": e for n, e in efficiency.items()},

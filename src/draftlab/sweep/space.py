@@ -110,6 +110,11 @@ class Calibration(_Model):
                        "does not grow with the dataset. Doubled (up to max_steps) until the median of the last "
                        "10 step times moves by < 2 %.")
     max_steps: int = Field(320, ge=20, description="Most steps a calibration may be doubled to.")
+    budget_share: float = Field(0.4, gt=0, le=1, description="Most of the budget that calibration may take, all "
+                                "GPU counts together (stated in the report). A calibration is redone with twice "
+                                "the steps only when it trained every step it asked for and the redo fits this "
+                                "share; otherwise an unsettled step time widens the safety margin "
+                                "(UNSETTLED_MARGIN) of the trials predicted from it.")
     max_s: float = Field(900, gt=0, description="Longest a calibration trial may run; the budget must exceed "
                          "their sum over the GPU counts not yet calibrated.")
     reuse: bool = Field(True, description="Take a GPU count's calibration from a finished calibration or sweep "

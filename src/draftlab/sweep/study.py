@@ -189,7 +189,12 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                 worker.ledger.end()
                 last = not worker.ledger.others_running()
             if last:
-                tracking.client().set_terminated(parent, status)
+                from draftlab.sweep.report import SPOOL
+
+                parent_tracker = tracking.MlflowTracker(parent, spool=out_dir / SPOOL)
+                parent_tracker.end(status)
+                if line := parent_tracker.spool_line("sweep"):
+                    console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)
             else:
                 console.print("[bold]sweep[/]: another worker of the study still runs: the parent run stays RUNNING")
     counts = summary["trials"]

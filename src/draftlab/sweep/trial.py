@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftlab.errors import UserError
     from draftlab.params import load_params
     from draftlab.stages import evaluate, train
-    from draftlab.tracking import MlflowTracker
+    from draftlab.tracking import MlflowTracker, fail_fast_defaults
 
+    fail_fast_defaults()
     out = Path(a.out)
     trial = TrialDir(out)
     started = time.time()
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tags["mlflow.parentRunId"] = a.parent_run_id
         tr = train.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                        out_dir=trial.train.path, run_tags=tags, started_at=started)
-        tracker = MlflowTracker(tr.run_id)
+        tracker = MlflowTracker(tr.run_id, spool=trial.train.spool_path)  # with the training's own records
         # a calibration is evaluated too: its evaluate time is part of every trial's cost
         ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                           train_dir=trial.train.path, out_dir=trial.reports, tracker=tracker)

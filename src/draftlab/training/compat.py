@@ -431,6 +431,7 @@ class VerifiedTransfer:
         if problem is None and self.full and not known and hashlib.sha256(blob).hexdigest() != rec["sha256"]:
             problem = "corrupt (sha256 differs from the manifest)"
         if problem:
+            store.record_bad(self.store_dir, {path.name: problem})  # extract re-hashes it, whatever its mtime
             raise HiddenStateFileError(f"{path}: {problem}; {store.REPAIR}")
         self.verified[file_idx] = (st.st_size, st.st_mtime_ns)
         if not decodes:

@@ -251,7 +251,7 @@ def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple
         from draftlab.store.capture import check_dtype
 
         check_dtype(store_dtype)
-    quick = store.verify(store_dir, full=False)
+    quick = store.verify(store_dir, full=False, record=True)
     if quick:
         raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
     check_seq_len(params, data_dir)
