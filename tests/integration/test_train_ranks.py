@@ -6,10 +6,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
+import yaml
+
 from draftlab.rundir import RunDir
-from tests.integration.conftest import train_command
 
 WORLD_SIZE = int(os.environ.get("DRAFTLAB_TEST_WORLD_SIZE", "4"))
 
@@ -29,8 +31,12 @@ def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_ea
     raw = built[0].model_dump()
     raw["train"].update({"gpus": WORLD_SIZE, "epochs": 3, "total_seq_len": 96, "draft_vocab_size": 64, "lr": 3e-3})
     params = parse_params(raw)
+    _, target_dir, data_dir, store_dir = built
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params.model_dump()))
     out = tmp_path / "run"
-    cmd = train_command(built, params, tmp_path, out)
+    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
+           "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
 
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 1200  # a generous bound for a loaded 2-core host, not a speed check
@@ -62,7 +68,7 @@ def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_ea
     assert sorted(steps) == list(range(accounting.total_steps)), "each global step logged exactly once"
 
     # what each rank's sampler handed out, against speculators' own sampler built for that rank
-    lengths, _ = train_split(built[2], params.data.train_ratio)
+    lengths, _ = train_split(data_dir, params.data.train_ratio)
     seen = observed_samples(out)
     for epoch in range(3):
         expected = [{i for b in acc.rank_batches(lengths, total_seq_len=96, world_size=WORLD_SIZE, rank=r, seed=0,
