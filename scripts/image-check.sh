@@ -172,7 +172,8 @@ shown = ", ".join(f"{k} {host[k]:.4g}" for k in keys if k.endswith("acc_len") an
 print(f"image-check: reports/metrics.json equals the host's in all {len(keys)} figures ({shown}; run_id and wall-clock aside)")
 PY
 # Nothing lands in the checkout that the host's run does not write (a HOME in /workspace would).
-untracked() { git -c safe.directory='*' -C "$1" status --porcelain --untracked-files=all | sed -n 's/^?? //p' | sort; }
+# --no-optional-locks: a root `git status` would otherwise refresh the clone's .git/index and own it
+untracked() { git --no-optional-locks -c safe.directory='*' -C "$1" status --porcelain --untracked-files=all | sed -n 's/^?? //p' | sort; }
 stray="$(comm -13 <(untracked "$WORK/host") <(untracked "$WORK/ctr") | head -n 5)"
 [ -z "$stray" ] || fail "the image left files in the checkout that the host's run does not: $stray"
 run repro2 dvc repro >"$WORK/ctr-repro2.log" 2>&1 || { tail -n 20 "$WORK/ctr-repro2.log" >&2; fail "the second dvc repro failed"; }
