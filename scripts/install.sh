@@ -5,7 +5,8 @@
 #   scripts/install.sh --test     # plus what the test suite needs
 #
 # The CPU lock (requirements/cpu.txt, made by scripts/lock.sh) pins every package with its sha256
-# and is installed with --require-hashes and --no-deps: speculators declares torchvision and
+# and is installed with --require-hashes and --no-deps (and so is requirements/test.txt, the suite's
+# lock on top of it): speculators declares torchvision and
 # torchaudio, which it never imports and which break `import transformers` beside a CPU torch.
 # torch is the CPU build, torch==2.13.0+cpu, which PyPI does not serve: pip finds it in a local
 # wheel folder (pip's find-links) or, with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu,
@@ -27,7 +28,7 @@ lock_args=(--require-hashes --no-deps -r requirements/cpu.txt)
 if [ -n "${TORCH_INDEX_URL:-}" ]; then lock_args+=(--extra-index-url "$TORCH_INDEX_URL"); fi
 "${PIP[@]}" install "${lock_args[@]}"
 if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" install --no-deps -r requirements/test.txt
+  "${PIP[@]}" install --require-hashes --no-deps -r requirements/test.txt
 fi
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 

@@ -3,8 +3,9 @@
 # requirements/lock-tools.txt, installed into .venv-lock on first use). Needs PyPI; takes about
 # 10-30 s each (docs/container.md "The locks").
 #
-#   scripts/lock.sh            # both
+#   scripts/lock.sh            # all three
 #   scripts/lock.sh cpu        # requirements/cpu.txt  from cpu.in (Python 3.11, the venv's)
+#   scripts/lock.sh test       # requirements/test.txt from test.in, held to cpu.txt's versions
 #   scripts/lock.sh gpu        # requirements/gpu-lock.txt from gpu.txt + flash-attn-build.txt and
 #                              # requirements/gpu-base-lock.txt from gpu-base.in (Python 3.12,
 #                              # x86_64 manylinux_2_39: the GPU image's Ubuntu 24.04)
@@ -18,8 +19,8 @@ cd "$(dirname "$0")/.."
 
 what="${1:-all}"
 case "$what" in
-  all|cpu|gpu) ;;
-  *) echo "lock: unknown lock '$what' (use cpu, gpu or nothing for both)" >&2; exit 2 ;;
+  all|cpu|gpu|test) ;;
+  *) echo "lock: unknown lock '$what' (use cpu, gpu, test or nothing for all three)" >&2; exit 2 ;;
 esac
 
 LOCK_VENV="${LOCK_VENV:-.venv-lock}"
@@ -51,6 +52,15 @@ lock_cpu() {
   echo "lock: requirements/cpu.txt ($(grep -c '^[A-Za-z]' requirements/cpu.txt) packages)"
 }
 
+lock_test() {
+  # the suite's tools and the docs' MkDocs on top of the CPU lock: what they share with it (click,
+  # Jinja2, PyYAML, requests …) is locked at cpu.txt's versions and hashes
+  "${UV[@]}" requirements/test.in --constraint requirements/cpu.txt \
+    --python-version 3.11.7 --python-platform x86_64-manylinux_2_28 \
+    --custom-compile-command "scripts/lock.sh test" -o requirements/test.txt
+  echo "lock: requirements/test.txt ($(grep -c '^[A-Za-z]' requirements/test.txt) packages)"
+}
+
 lock_gpu() {
   local target=(--python-version 3.12 --python-platform x86_64-manylinux_2_39)
   "${UV[@]}" requirements/gpu.txt requirements/flash-attn-build.txt "${target[@]}" \
@@ -64,5 +74,6 @@ lock_gpu() {
 case "$what" in
   cpu) lock_cpu ;;
   gpu) lock_gpu ;;
-  all) lock_cpu; lock_gpu ;;
+  test) lock_test ;;
+  all) lock_cpu; lock_test; lock_gpu ;;
 esac

