@@ -368,7 +368,7 @@ def test_the_tiny_default_calibrates_once_per_gpu_count_and_completes_trials_in_
     clock, lines = FakeClock(), []
     launcher = SimLauncher(clock, duration=duration, settled=inner_intervals_settle, steps=tiny_steps)
     spec = make_spec(tmp_path, budget="6m", safety_margin=0.1,
-                     calibration={"steps": 20, "max_s": 120, "max_steps": 320})  # experiments/sweep-tiny.yaml's
+                     calibration={"steps": 20, "max_s": 75, "max_steps": 320})  # experiments/sweep-tiny.yaml's
     w = make_worker(tmp_path, spec, clock, launcher, steps_fn=tiny_steps, log=lines.append)
     run_to_end(w, clock)
     cal = [s.params.train.gpus for s, _, _ in launcher.started if s.role == "calibration"]
