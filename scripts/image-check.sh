@@ -66,6 +66,8 @@ else
   BASE="localhost/draftlab-base:bookworm-$key"
   tarball="$CACHE/base-bookworm-$key.tar"
   if ! "${PODMAN[@]}" image exists "$BASE"; then
+    # a cached base that is not a tarball (a directory an earlier version of this script made) is remade
+    [ -f "$tarball" ] || rm -rf "$tarball"
     if [ ! -s "$tarball" ]; then
       command -v mmdebstrap >/dev/null || { echo "image-check: mmdebstrap not found; install it (apt-get install mmdebstrap) or pass --base IMAGE" >&2; exit 3; }
       say "making the Debian 12 base with mmdebstrap (cached in $tarball)"
