@@ -55,34 +55,10 @@ mkdir -p "$CACHE"
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 
-# ---- the base: Debian 12 from mmdebstrap, cached as a tarball and as a podman image ------------
-PACKAGES="ca-certificates,git,python3,python3-venv"
-if [ -n "$BASE" ]; then
-  if ! "${PODMAN[@]}" image exists "$BASE"; then
-    echo "image-check: --base $BASE is not an image podman has (podman images lists them)" >&2; exit 2
-  fi
-else
-  key="$(printf 'bookworm %s' "$PACKAGES" | sha256sum | cut -c1-12)"
-  BASE="localhost/draftlab-base:bookworm-$key"
-  tarball="$CACHE/base-bookworm-$key.tar"
-  if ! "${PODMAN[@]}" image exists "$BASE"; then
-    # a cached base that is not a tarball (a directory an earlier version of this script made) is remade
-    [ -f "$tarball" ] || rm -rf "$tarball"
-    if [ ! -s "$tarball" ]; then
-      command -v mmdebstrap >/dev/null || { echo "image-check: mmdebstrap not found; install it (apt-get install mmdebstrap) or pass --base IMAGE" >&2; exit 3; }
-      say "making the Debian 12 base with mmdebstrap (cached in $tarball)"
-      # --format=tar: mmdebstrap picks the format from the name, and "*.tmp" would make a directory
-      rm -rf "$tarball.tmp"
-      mmdebstrap --quiet --format=tar --variant=apt --include="$PACKAGES" bookworm "$tarball.tmp" \
-        "deb http://deb.debian.org/debian bookworm main" \
-        "deb http://deb.debian.org/debian bookworm-updates main" \
-        "deb http://deb.debian.org/debian-security bookworm-security main"
-      mv "$tarball.tmp" "$tarball"
-    fi
-    "${PODMAN[@]}" import --quiet "$tarball" "$BASE" >/dev/null
-  fi
+if [ -n "$BASE" ] && ! "${PODMAN[@]}" image exists "$BASE"; then
+  echo "image-check: --base $BASE is not an image podman has (podman images lists them)" >&2; exit 2
 fi
-say "base $BASE"
+USER_BASE="$BASE"
 
 # ---- the wheelhouse: every file of requirements/cpu.txt, by the host's pip, hash-checked ----------
 if [ -z "$WHEELHOUSE" ]; then
@@ -117,6 +93,32 @@ if [ -n "$missing" ]; then
   exit 2
 fi
 say "wheelhouse $WHEELHOUSE ($(ls "$WHEELHOUSE" | wc -l) files)"
+
+# ---- the base: Debian 12 from mmdebstrap, cached as a tarball and as a podman image ------------
+# (made after the wheelhouse: bad input is refused before minutes go into a base)
+PACKAGES="ca-certificates,git,python3,python3-venv"
+if [ -z "$USER_BASE" ]; then
+  key="$(printf 'bookworm %s' "$PACKAGES" | sha256sum | cut -c1-12)"
+  BASE="localhost/draftlab-base:bookworm-$key"
+  tarball="$CACHE/base-bookworm-$key.tar"
+  if ! "${PODMAN[@]}" image exists "$BASE"; then
+    # a cached base that is not a tarball (a directory an earlier version of this script made) is remade
+    [ -f "$tarball" ] || rm -rf "$tarball"
+    if [ ! -s "$tarball" ]; then
+      command -v mmdebstrap >/dev/null || { echo "image-check: mmdebstrap not found; install it (apt-get install mmdebstrap) or pass --base IMAGE" >&2; exit 3; }
+      say "making the Debian 12 base with mmdebstrap (cached in $tarball)"
+      # --format=tar: mmdebstrap picks the format from the name, and "*.tmp" would make a directory
+      rm -rf "$tarball.tmp"
+      mmdebstrap --quiet --format=tar --variant=apt --include="$PACKAGES" bookworm "$tarball.tmp" \
+        "deb http://deb.debian.org/debian bookworm main" \
+        "deb http://deb.debian.org/debian bookworm-updates main" \
+        "deb http://deb.debian.org/debian-security bookworm-security main"
+      mv "$tarball.tmp" "$tarball"
+    fi
+    "${PODMAN[@]}" import --quiet "$tarball" "$BASE" >/dev/null
+  fi
+fi
+say "base $BASE"
 
 # ---- fresh clones of HEAD: one for the build context and the host run, one for the container ----
 WORK="$(mktemp -d /tmp/draftlab-image-check.XXXXXX)"
