@@ -531,3 +531,35 @@ def test_the_last_worker_to_end_is_the_one_that_ends_the_parent_run(tmp_path):
     assert a.others_running(), "b still runs: a leaves the parent run to it"
     b.end()
     assert not b.others_running(), "b is the last: it ends the parent run"
+
+
+@pytest.mark.parametrize("settled_at", [20, 40], ids=["settled", "redone"])
+def test_a_calibration_ends_only_once_its_point_or_its_redo_is_in_the_study(tmp_path, settled_at):
+    """A peer that finds no live calibration and no point ends its sweep ("no calibration
+    available"). So when a calibration trial ends, its point is already saved, or the redo with
+    twice the steps already queued: a second worker on the same storage, checking between the two,
+    must not conclude that the calibration failed (seen with two workers on PostgreSQL)."""
+    from optuna.trial import TrialState
+
+    from draftlab.sweep import calibration
+
+    clock = FakeClock()
+    launcher = SimLauncher(clock, settled=lambda spec: (spec.params.train.max_steps or 40) >= settled_at)
+    spec = make_spec(tmp_path, budget=900, space={"train.lr": {"low": 1e-3, "high": 1e-2, "log": True}})
+    w = make_worker(tmp_path, spec, clock, launcher, n_trials=2)
+    ended = []
+    tell = w.study.tell
+
+    def tell_seen_by_a_peer(trial, *args, **kwargs):
+        number = trial if isinstance(trial, int) else trial.number
+        if w.study.trials[number].user_attrs.get("role") == "calibration":
+            others_live = [t for t in w.study.get_trials(states=(TrialState.WAITING, TrialState.RUNNING))
+                           if t.user_attrs.get("role") == "calibration" and t.number != number]
+            ended.append(bool(calibration.points(w.study)) or bool(others_live))
+        return tell(trial, *args, **kwargs)
+
+    w.study.tell = tell_seen_by_a_peer
+    run_to_end(w, clock)
+    assert len(ended) == (1 if settled_at == 20 else 2), ended
+    assert all(ended), "a calibration ended while its GPU count had neither a point nor a live calibration"
+    assert statuses(w.study).count("completed") >= 1

@@ -284,16 +284,19 @@ class Worker:
         t.set_user_attr("reason", f"timing only ({steps} steps): " + (
             f"step time not settled, calibrating again with {2 * steps}" if again else
             f"start-up {point.fixed_s:,.1f} s + {point.step_s:.3f} s/step + {point.epoch_s:.1f} s/epoch"))
-        self.study.tell(t, state=TrialState.FAIL)
+        # the redo is queued, or the point saved, before this calibration ends: a peer that finds
+        # no live calibration for this GPU count then finds its point (calibration.live, then points)
         if again:
             with self._locked():
                 calibration.enqueue(self.study, self.spec, self.base, len(self.devices), self.log, n, 2 * steps)
                 popped = self._pop()
+            self.study.tell(t, state=TrialState.FAIL)
             if popped is not None:
                 self.queue.insert(0, popped)  # ahead of the search trials that wait for it
             self.log(f"calibration at {n} GPU(s): step time still moving after {steps} steps; again with {2 * steps}")
             return
         self._save_calibration(point)
+        self.study.tell(t, state=TrialState.FAIL)
         self.rejections_in_a_row = 0
         why = (f"the epochs hold only {trained} of the {steps} steps asked" if trained < steps else
                "a redo would pass the calibration share of the budget" if not fits else f"{steps} steps")
@@ -431,7 +434,9 @@ class Worker:
         else:
             pred = model.predict(p.params)
             if pred is None:  # its calibration runs here or on another worker: wait for it
-                if not self.running and not calibration.live(self.study):
+                # live first, then the points read again: a peer's calibration that ended since
+                # `model` was built has saved its point before it ended
+                if not self.running and not calibration.live(self.study) and not self.calibration():
                     self._wait_for_calibration(p)
                 return "stop"
             predicted = pred.wall_s
