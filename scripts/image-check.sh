@@ -58,7 +58,6 @@ secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 if [ -n "$BASE" ] && ! "${PODMAN[@]}" image exists "$BASE"; then
   echo "image-check: --base $BASE is not an image podman has (podman images lists them)" >&2; exit 2
 fi
-USER_BASE="$BASE"
 
 # ---- the wheelhouse: every file of requirements/cpu.txt, by the host's pip, hash-checked ----------
 if [ -z "$WHEELHOUSE" ]; then
@@ -97,7 +96,7 @@ say "wheelhouse $WHEELHOUSE ($(ls "$WHEELHOUSE" | wc -l) files)"
 # ---- the base: Debian 12 from mmdebstrap, cached as a tarball and as a podman image ------------
 # (made after the wheelhouse: bad input is refused before minutes go into a base)
 PACKAGES="ca-certificates,git,python3,python3-venv"
-if [ -z "$USER_BASE" ]; then
+if [ -z "$BASE" ]; then  # no --base: the cached Debian base
   key="$(printf 'bookworm %s' "$PACKAGES" | sha256sum | cut -c1-12)"
   BASE="localhost/draftlab-base:bookworm-$key"
   tarball="$CACHE/base-bookworm-$key.tar"
