@@ -101,12 +101,13 @@ def acceptance(params, ctx, store_dir: Path, checkpoint: Path, prompts) -> dict:
     from draftlab.models import load_draft, resolve
     from draftlab.serve import specdec
     from draftlab.stages import evaluate
+    from draftlab.store.hidden_states import source_for_store
 
     target, tokenizer = ctx["target"], ctx["tokenizer"]
     draft = load_draft(checkpoint, resolve(params, ctx["target_dir"]))
-    packed = evaluate.simulated(params, draft, target, ctx["data_dir"], store_dir)
+    packed = evaluate.simulated(params, draft, target, ctx["data_dir"], source_for_store(store_dir))
     per_sample: list[dict] = []
-    evaluate.simulated(params, draft, target, ctx["data_dir"], store_dir,
+    evaluate.simulated(params, draft, target, ctx["data_dir"], source_for_store(store_dir),
                        batches=[[i] for i in range(ctx["num_val"])], per_batch=per_sample)
     k = params.train.ttt_steps
     sim = [[s[f"full_correct_{j}"] for j in range(k)] + [s[f"full_total_{j}"] for j in range(k)] for s in per_sample]

@@ -9,7 +9,7 @@ random-normal states), with a prepared dataset whose token ids match. Two loader
                with the stock transfer the trainer picks for the dtype (FileTransfer /
                FP8Transfer, which dequantizes to bf16), eagle3's shift_batch
   draftlab     the same loader as `draftlab train` runs it: every file through
-               compat.VerifiedTransfer (size, header and sha256 against the manifest, decoded in
+               hidden_states.VerifiedTransfer (size, header and sha256 against the manifest, decoded in
                place, fp8 dequantized by table lookup)
 
 Each arm's loader is built once and kept (persistent workers, as in training): its first pass
@@ -121,10 +121,10 @@ def dd(files: list[Path]) -> dict:
 def transfer(arm: str, dtype: str, store_dir: Path, records: dict):
     from hs_connectors import FileTransfer, FP8Transfer
 
-    from draftlab.training import compat
+    from draftlab.store import hidden_states
 
     stock = FP8Transfer(store_dir) if dtype == "float8_e4m3fn" else FileTransfer(store_dir)
-    return stock if arm == "speculators" else compat.VerifiedTransfer(stock, store_dir, records)
+    return stock if arm == "speculators" else hidden_states.VerifiedTransfer(stock, store_dir, records)
 
 
 def dataset(arm: str, dtype: str, store_dir: Path, data_dir: Path, records: dict, args):

@@ -63,7 +63,7 @@ def main() -> None:
     import torch
     from hs_connectors import FileTransfer
 
-    from draftlab.training.compat import VerifiedTransfer
+    from draftlab.store.hidden_states import VerifiedTransfer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -239,17 +239,17 @@ def train_preflight(params, data_dir: Path, store_dir: Path) -> dict:
 
 
 def loader_open(store_dir: Path, files: int) -> float:
-    """Seconds per file of the rank's checked read (compat.VerifiedTransfer over speculators'
+    """Seconds per file of the rank's checked read (hidden_states.VerifiedTransfer over speculators'
     FileTransfer: map, sha256, decode), page cache warm: the per-file part of every read."""
     from draftlab.store import layout as store
-    from draftlab.training import compat
+    from draftlab.store import hidden_states
 
     records = {f.index: f.model_dump() for f in store.read_manifest(store_dir).files}
     from hs_connectors.transfer import FileTransfer
 
     inner = FileTransfer.__new__(FileTransfer)
     inner.__dict__.update({"path": str(store_dir), "hidden_states_path": str(store_dir)})
-    vt = compat.VerifiedTransfer(inner, store_dir, records, full=True)
+    vt = hidden_states.VerifiedTransfer(inner, store_dir, records, full=True)
     n = min(files, len(records))
     t0 = time.perf_counter()
     for i in range(n):

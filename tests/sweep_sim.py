@@ -15,7 +15,7 @@ from draftlab.sweep.budget import Outcome
 from draftlab.sweep.loop import Worker
 from draftlab.sweep.space import read_spec
 from draftlab.sweep.study import open_storage, open_study
-from draftlab.training.compat import steps_under_max_steps
+from draftlab.plan.sampler import steps_under_max_steps
 
 GRACE = 10.0
 POLL = 1.0

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 
+from draftlab import paths
 from draftlab.errors import UserError
 
 app = typer.Typer(
@@ -72,9 +73,9 @@ def _load(params_path: Path):
 
 @command()
 def target(
-    params: ParamsOpt = Path("params.yaml"),
-    out: Annotated[Path, typer.Option(help="Target folder: the tiny model, or a pointer to a real one.")] = Path("models/target"),
-    report: Annotated[Path, typer.Option(help="JSON report of what was built.")] = Path("reports/target.json"),
+    params: ParamsOpt = paths.PARAMS,
+    out: Annotated[Path, typer.Option(help="Target folder: the tiny model, or a pointer to a real one.")] = paths.TARGET,
+    report: Annotated[Path, typer.Option(help="JSON report of what was built.")] = paths.TARGET_REPORT,
 ) -> None:
     """Build the tiny default target (or record which real target is used)."""
     p = _load(params)
@@ -85,9 +86,9 @@ def target(
 
 @command()
 def prepare(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    out: Annotated[Path, typer.Option(help="Output dataset folder.")] = Path("data/prepared"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    out: Annotated[Path, typer.Option(help="Output dataset folder.")] = paths.PREPARED,
 ) -> None:
     """Conversations → tokenized, loss-masked dataset in speculators' format."""
     p = _load(params)
@@ -98,10 +99,10 @@ def prepare(
 
 @command()
 def extract(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
-    out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
+    out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
     report: Annotated[Path | None, typer.Option(help="JSON report of the store (files, tokens, bytes, what "
                                                 "was extracted now).")] = None,
 ) -> None:
@@ -109,7 +110,7 @@ def extract(
     p = _load(params)
     from draftlab.store import dvc_track
 
-    if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
+    if problem := dvc_track.mismatch(paths.DVC_YAML, p.extract.dvc_track):
         _fail(problem)
     from draftlab.stages import extract as stage
     from draftlab.tracking import spool_beside, stage_run
@@ -126,11 +127,11 @@ def extract(
 
 @command()
 def train(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
-    out: Annotated[Path, typer.Option(help="Run folder (checkpoints, accounting, run id).")] = Path("runs/train"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
+    out: Annotated[Path, typer.Option(help="Run folder (checkpoints, accounting, run id).")] = paths.TRAIN,
     node_rank: Annotated[int | None, typer.Option("--node-rank", help="This host's train.node_rank (multi-node: "
                                                   "the same params on every node, this flag on the others).")] = None,
     rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="train.rdzv_endpoint, host:port "
@@ -155,12 +156,12 @@ def train(
 
 @command()
 def evaluate(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
-    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = Path("runs/train"),
-    out: Annotated[Path, typer.Option(help="Reports folder (metrics.json, plots, figures).")] = Path("reports"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
+    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = paths.TRAIN,
+    out: Annotated[Path, typer.Option(help="Reports folder (metrics.json, plots, figures).")] = paths.REPORTS,
 ) -> None:
     """Predicted (validation) and measured (speculative decoding) acceptance length."""
     p = _load(params)
@@ -174,11 +175,11 @@ def evaluate(
 
 @command()
 def export(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = Path("runs/train"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder (its manifest).")] = Path("data/hidden_states"),
-    out: Annotated[Path, typer.Option(help="Exported draft folder.")] = Path("models/draft"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = paths.TRAIN,
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder (its manifest).")] = paths.STORE,
+    out: Annotated[Path, typer.Option(help="Exported draft folder.")] = paths.DRAFT,
 ) -> None:
     """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers)."""
     p = _load(params)
@@ -192,10 +193,10 @@ def export(
 
 @command()
 def plan(
-    params: ParamsOpt = Path("params.yaml"),
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset (exact per-sample lengths).")] = Path("data/prepared"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder (disk checks).")] = Path("data/hidden_states"),
+    params: ParamsOpt = paths.PARAMS,
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset (exact per-sample lengths).")] = paths.PREPARED,
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder (disk checks).")] = paths.STORE,
     gpus: Annotated[str, typer.Option(help="GPU counts to plan for, comma-separated.")] = "1,2,4,8",
     samples: Annotated[int | None, typer.Option(help="Stated sample count (with --tokens; instead of the dataset).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Stated token count (with --samples).")] = None,
@@ -241,10 +242,10 @@ def sweep(
     devices: Annotated[str | None, typer.Option(help="Device slots of this worker: a count or ids (0,1,2,3).")] = None,
     n_trials: Annotated[int | None, typer.Option("--n-trials", help="Stop after this many trials have run.")] = None,
     params: Annotated[Path | None, typer.Option("--params", help="Base params (default: the space file's).")] = None,
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = Path("data/prepared"),
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = Path("data/hidden_states"),
-    out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = Path("runs/sweeps"),
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
+    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
+    out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = paths.SWEEPS,
 ) -> None:
     """Optuna over epochs, lr and GPU count inside a wall-clock budget (resumable; workers share it)."""
     from draftlab.sweep import study as sweep_study
@@ -266,7 +267,7 @@ def _check_params(params_path: Path, target: Path, data: Path) -> None:
     p = _load(params_path)  # every section, typed: the key's dotted path on error
     from draftlab.store import dvc_track
 
-    if problem := dvc_track.mismatch(Path("dvc.yaml"), p.extract.dvc_track):
+    if problem := dvc_track.mismatch(paths.DVC_YAML, p.extract.dvc_track):
         _fail(problem)
     if not (data / "dataset_info.json").exists():
         return  # no dataset yet: nothing later has been produced either
@@ -282,7 +283,7 @@ def _check_params(params_path: Path, target: Path, data: Path) -> None:
 
 @command()
 def verify(
-    store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = Path("data/hidden_states"),
+    store: Annotated[Path, typer.Argument(help="Hidden-state store folder.")] = paths.STORE,
     quick: Annotated[bool, typer.Option(help="Check sizes and headers only, skip re-hashing.")] = False,
     report: Annotated[Path | None, typer.Option(help="Write the problems to this JSON file and exit 0 "
                                                      "(dvc.yaml's check before extract); re-hashes only files "
@@ -290,8 +291,8 @@ def verify(
     params: Annotated[Path | None, typer.Option("--params", help="Also check every stage's params (and extract's "
                                                 "against the target), before `dvc repro` runs any later stage: a "
                                                 "params error then costs no produced file.")] = None,
-    target: TargetOpt = Path("models/target"),
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder (with --params).")] = Path("data/prepared"),
+    target: TargetOpt = paths.TARGET,
+    data: Annotated[Path, typer.Option(help="Prepared dataset folder (with --params).")] = paths.PREPARED,
 ) -> None:
     """Name every missing, truncated or corrupt file of a hidden-state store."""
     from draftlab.console import console
@@ -321,7 +322,7 @@ def verify(
 @command()
 def use(
     experiment: Annotated[Path, typer.Argument(help="A profile from experiments/ (a partial params tree).")],
-    params: ParamsOpt = Path("params.yaml"),
+    params: ParamsOpt = paths.PARAMS,
 ) -> None:
     """Merge an experiment profile into params.yaml, so DVC sees (and records) what runs."""
     import yaml
@@ -347,8 +348,8 @@ def use(
 @command("dvc-track")
 def dvc_track_cmd(
     mode: Annotated[str, typer.Argument(help="files (DVC versions every store file) | manifest (only manifest.json).")],
-    params: ParamsOpt = Path("params.yaml"),
-    dvc_yaml: Annotated[Path, typer.Option("--dvc-yaml", help="The pipeline file to keep in step.")] = Path("dvc.yaml"),
+    params: ParamsOpt = paths.PARAMS,
+    dvc_yaml: Annotated[Path, typer.Option("--dvc-yaml", help="The pipeline file to keep in step.")] = paths.DVC_YAML,
 ) -> None:
     """Choose what DVC versions of the hidden-state store: sets extract.dvc_track and dvc.yaml's extract outputs."""
     from draftlab.console import console
@@ -371,7 +372,7 @@ def dvc_track_cmd(
 
 @command()
 def summary(
-    params: ParamsOpt = Path("params.yaml"),
+    params: ParamsOpt = paths.PARAMS,
 ) -> None:
     """What the pipeline produced and where to look."""
     from draftlab.summary import show
@@ -382,7 +383,7 @@ def summary(
 @command()
 def status(
     path: Annotated[Path, typer.Argument(help="A run folder (the train stage's --out) or a sweep's study folder.")]
-    = Path("runs/train"),
+    = paths.TRAIN,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until the job ends (Ctrl-C leaves).")]
     = False,

@@ -5,6 +5,7 @@ pydantic model here, and its name is known only here:
 
     <store>/manifest.json           Manifest       extract → verify, train, evaluate, export, plan
     <store>/.journal.jsonl          (store.Journal) extraction's resume record
+    <store>/bad-files.jsonl         (lines)        a reader or verify → extract: files to re-extract
     <run>/run.json                  RunState       the MLflow run this folder resumes, and its key
     <run>/launch.json               Launch         torchrun's process group (stop_orphans, the sweep)
     <run>/.lock                     (flock)        one launcher per folder (per node: .lock-node<k>)
@@ -23,10 +24,12 @@ pydantic model here, and its name is known only here:
     <run>/profile/rank<r>.jsonl     (lines)        each rank's step profile → telemetry's verdict, timing
     <run>/pids/<name>.json          (procs)        each process's pid → stop_orphans after a kill
     <run>/bottleneck.json           (telemetry)    the bottleneck verdict and its evidence
+    <run>/bottleneck-live.json      (observe.live) the launcher's latest window → `draftlab status`
     <prepared>/prepare.json         PrepareRecord  prepare's counts and drops (summary, tests)
     <draft>/export.json             ExportRecord   what export shipped (summary)
     <trial>/trial.json              TrialInfo      the sweep → its record of what a trial is
     <trial>/result.json             TrialResult    a trial process → the sweep
+    <study>/tracking-spool.jsonl    SpoolRecord    the sweep's parent-run MLflow calls kept during an outage
 
 Writes are atomic (a kill -9 leaves the old file or the new one); a file that is missing where
 it must be, or is partial or malformed, is one line naming it and what to do (`RunFileError`,
@@ -209,6 +212,7 @@ class StoreDir(_Folder):
 
     manifest = _file("manifest.json", Manifest, f"{EXTRACT}: it rewrites the manifest")
     journal_path = _path(".journal.jsonl", "extraction's resume record (draftlab.store.layout.Journal)")
+    bad_files_path = _path("bad-files.jsonl", "files a reader or `verify` found bad (draftlab.store.layout.record_bad)")
 
 
 # ---------------------------------------------------------------- a training run folder
@@ -238,7 +242,6 @@ class RankPlan(Record):
     tail_s_lo: float | None = Field(None, description="smallest of those tails (the ETA's range)")
     tail_s_hi: float | None = Field(None, description="largest of those tails (the ETA's range)")
     optimizer: str = Field("AdamW", description="speculators' optimizer name, as in its `lr/<optimizer>` metric")
-    store_dir: str | None = Field(None, description="the store whose manifest every rank's reads are checked against")
     verify_reads: Literal["sha256", "header"] = "sha256"
     warmup_steps: int = Field(0, description="train.warmup_steps: the convergence watch's early window starts here")
     watch: dict[str, Any] | None = Field(None, description="train.watch (draftlab.training.watch); null: no watch")
@@ -432,6 +435,7 @@ class RunDir(_Folder):
     samples_dir = _path("samples", "each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out")
     pids_dir = _path("pids", "each process's `<name>.json` (pid, start time): a killed launcher's ranks")
     bottleneck_path = _path("bottleneck.json", "the bottleneck verdict and its evidence (telemetry.conclude)")
+    live_verdict_path = _path("bottleneck-live.json", "the launcher's latest telemetry window (observe.live)")
     progress = _file("progress.json", Progress, "rank 0 rewrites it while it trains")
     step_metrics_path = _path("metrics.jsonl", "rank 0's train/* metrics, one JSON line a global step (train_metrics)")
 
@@ -477,6 +481,12 @@ class TrialResult(Record):
     message: str | None = None
     convergence: str | None = Field(None, description="why the convergence watch stopped the training "
                                     "(diverged, stalled, diverging): the sweep prunes the trial")
+
+
+class StudyDir(_Folder):
+    """A sweep's study folder (`draftlab sweep --out`): what of it the sweep's parent run needs."""
+
+    spool_path = _path("tracking-spool.jsonl", "the parent run's MLflow calls kept while the store is unreachable")
 
 
 class TrialDir(_Folder):

@@ -26,7 +26,6 @@ from draftlab.rundir import Progress, RunDir
 
 RUNNING, FINISHED, FAILED, DIVERGED, STOPPED, STALE, STARTING = (
     "running", "finished", "failed", "diverged", "stopped", "stale", "not started")
-LIVE_VERDICT = "bottleneck-live.json"  # the launcher's latest telemetry window (observe.live)
 
 
 class StatusError(UserError):
@@ -176,7 +175,7 @@ def run_status(path: Path) -> dict:
         out["step"] = done.get("total_steps", out.get("step"))
         out["finished"] = {"wall_clock_s": done.get("wall_clock_s"), "tokens_per_s": done.get("tokens_per_s"),
                            "checkpoint": done.get("checkpoint")}
-    verdict = _json(path / LIVE_VERDICT)
+    verdict = _json(RunDir(path).live_verdict_path)
     final = _json(rd.bottleneck_path) if state == FINISHED else None
     if final is not None:
         o = final.get("overall", {})

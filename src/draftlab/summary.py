@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftlab import paths
 from draftlab.params import Params
 from draftlab.rundir import RunDir, StoreDir, export_record, prepare_record
 
 OUTPUTS = [
-    ("target", Path("models/target"), Path("reports/target.json")),
-    ("prepare", Path("data/prepared"), prepare_record(Path("data/prepared")).path),
-    ("extract", Path("data/hidden_states"), StoreDir(Path("data/hidden_states")).manifest.path),
-    ("train", Path("runs/train"), RunDir(Path("runs/train")).train.path),
-    ("evaluate", Path("reports"), Path("reports/metrics.json")),
-    ("export", Path("models/draft"), export_record(Path("models/draft")).path),
+    ("target", paths.TARGET, paths.TARGET_REPORT),
+    ("prepare", paths.PREPARED, prepare_record(paths.PREPARED).path),
+    ("extract", paths.STORE, StoreDir(paths.STORE).manifest.path),
+    ("train", paths.TRAIN, RunDir(paths.TRAIN).train.path),
+    ("evaluate", paths.REPORTS, paths.REPORTS / "metrics.json"),
+    ("export", paths.DRAFT, export_record(paths.DRAFT).path),
 ]
 
 
@@ -59,6 +60,6 @@ def show(params: Params) -> None:
     from draftlab.tracking import ui_url
 
     console.print(f"  MLflow UI:   mlflow ui --backend-store-uri sqlite:///mlflow.db   (then open {ui_url()})")
-    console.print("  DVC metrics: dvc metrics show    plots: dvc plots show   figures: reports/")
-    console.print("  Store check: draftlab verify data/hidden_states")
-    console.print("  Sweep:       draftlab sweep experiments/sweep-tiny.yaml --budget 10m   (report: runs/sweeps/)")
+    console.print(f"  DVC metrics: dvc metrics show    plots: dvc plots show   figures: {paths.REPORTS}/")
+    console.print(f"  Store check: draftlab verify {paths.STORE}")
+    console.print(f"  Sweep:       draftlab sweep experiments/sweep-tiny.yaml --budget 10m   (report: {paths.SWEEPS}/)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab.rundir import RunDir
+from draftlab.rundir import RunDir, StoreDir
 from draftlab.store import layout as store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,8 +186,9 @@ def test_damaged_files_are_named_by_train_and_repaired_by_extract(copy):
     line = _refused(_sh(_stage_cmd(root, "train"), root, env, ok=False), "hidden_states/hs_", store.REPAIR)
     assert "3 bad file(s)" in line  # sizes and headers: the flipped byte is the loader's (below)
     after = snapshot(root)
-    recorded = {rel for rel in after if rel.endswith(store.BAD_FILES)}
-    assert recorded == {f"data/hidden_states/{store.BAD_FILES}", f"data/.hidden_states.work/{store.BAD_FILES}"}, \
+    bad_files = StoreDir(Path(".")).bad_files_path.name
+    recorded = {rel for rel in after if rel.endswith(bad_files)}
+    assert recorded == {f"data/hidden_states/{bad_files}", f"data/.hidden_states.work/{bad_files}"}, \
         "what training named is recorded in the store, for extract"
     assert {k: v for k, v in after.items() if k not in recorded} == before, "a refused training must not touch runs/train"
     verify = _sh([sys.executable, "-m", "draftlab.cli", "verify", str(hs)], root, env, ok=False)

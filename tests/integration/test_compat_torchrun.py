@@ -192,9 +192,9 @@ def test_one_rank_trains_with_extra_metric_handler(workspace, tmp_path):
 
 
 def test_max_steps_trains_one_more_step_per_later_epoch_as_pinned(workspace, tmp_path):
-    """The quirk `draftlab.training.compat.steps_under_max_steps` pins: each epoch after the limit
+    """The quirk `draftlab.plan.sampler.steps_under_max_steps` pins: each epoch after the limit
     trains one step and validates. Fails when speculators changes it."""
-    from draftlab.training.compat import steps_under_max_steps
+    from draftlab.plan.sampler import steps_under_max_steps
 
     metrics_path = tmp_path / "metrics.jsonl"
     save_path = tmp_path / "checkpoints"

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from draftlab.store import layout as store
-from draftlab.training import compat
+from draftlab.store import hidden_states
 
 
 def _records(store_dir):
@@ -40,12 +40,12 @@ def test_a_header_for_other_data_is_named(store_copy):
 
 @pytest.fixture
 def dataset(built, store_copy, monkeypatch):
-    """speculators' own ArrowDataset over the copy, built after compat's wrap (undone after)."""
+    """speculators' own ArrowDataset over the copy, built after hidden_states' wrap (undone after)."""
     from hs_connectors import FileTransfer
     from speculators.train import data
 
     monkeypatch.setattr(data.ArrowDataset, "__init__", data.ArrowDataset.__init__)
-    compat.verify_hidden_state_reads(store_copy)
+    hidden_states.verify_hidden_state_reads(store_copy)
     params, _, data_dir, _ = built
     return data.ArrowDataset(max_len=256, datapath=str(data_dir), transfer=FileTransfer(store_copy),
                              on_missing="raise", train_ratio=params.data.train_ratio, split="train")
@@ -55,7 +55,7 @@ def test_verified_reads_return_what_speculators_would_read(dataset, store_copy):
     import torch
     from safetensors.torch import load_file
 
-    assert isinstance(dataset.transfer, compat.VerifiedTransfer)
+    assert isinstance(dataset.transfer, hidden_states.VerifiedTransfer)
     got = dataset.transfer.get_cached(3)
     want = load_file(store_copy / "hs_3.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -70,7 +70,7 @@ def test_verified_reads_return_what_speculators_would_read(dataset, store_copy):
 def test_the_first_bad_file_read_stops_with_its_name_and_the_repair(dataset, store_copy, damage, why):
     path = store_copy / "hs_2.safetensors"
     path.write_bytes(damage(path.read_bytes()))
-    with pytest.raises(compat.HiddenStateFileError) as err:
+    with pytest.raises(hidden_states.HiddenStateFileError) as err:
         dataset[2]
     msg = str(err.value)
     assert msg.startswith(f"{path}: ") and why in msg and store.REPAIR in msg

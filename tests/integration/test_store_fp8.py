@@ -101,11 +101,11 @@ def test_verify_names_a_file_of_another_dtype(fp8_store, tmp_path):
 def test_verified_fp8_reads_equal_speculators_fp8_transfer(fp8_store):
     from hs_connectors import FP8Transfer
 
-    from draftlab.training import compat
+    from draftlab.store import hidden_states
 
     _, _, fp8_dir = fp8_store
     records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}
-    verified = compat.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)
+    verified = hidden_states.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)
     for i in sorted(records)[:8]:
         for _ in range(2):  # the first read is hashed, the second trusted by size and mtime
             got, want = verified.get_cached(i), FP8Transfer(fp8_dir).get_cached(i)
@@ -120,10 +120,10 @@ def test_verified_transfer_reaches_spawned_loader_workers(fp8_store):
 
     from hs_connectors import FP8Transfer
 
-    from draftlab.training import compat
+    from draftlab.store import hidden_states
 
     _, _, fp8_dir = fp8_store
     records = {f.index: f.model_dump() for f in store.read_manifest(fp8_dir).files}
-    copy = pickle.loads(pickle.dumps(compat.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)))
+    copy = pickle.loads(pickle.dumps(hidden_states.VerifiedTransfer(FP8Transfer(fp8_dir), fp8_dir, records)))
     assert isinstance(copy.inner, FP8Transfer) and copy.dequantize_dtype == torch.bfloat16
     assert torch.equal(copy.get_cached(0)["hidden_states"], FP8Transfer(fp8_dir).get_cached(0)["hidden_states"])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from draftlab import pinned
+from draftlab.plan import sampler
 from draftlab.training import compat
 
 
@@ -34,7 +36,7 @@ def restore_speculators(monkeypatch):
 
 
 def test_installed_speculators_is_the_pinned_version():
-    assert importlib.metadata.version("speculators") == compat.SPECULATORS_VERSION == "0.9.0"
+    assert importlib.metadata.version("speculators") == pinned.SPECULATORS_VERSION == "0.9.0"
 
 
 def test_a_different_speculators_version_fails_loudly(monkeypatch):
@@ -216,7 +218,7 @@ def test_explicit_scheduler_total_steps_overrides_max_steps():
 
 
 def test_steps_under_max_steps_follows_the_trainer_loop():
-    from draftlab.training.compat import steps_under_max_steps
+    from draftlab.plan.sampler import steps_under_max_steps
 
     assert steps_under_max_steps([10, 10], None) == [10, 10]
     assert steps_under_max_steps([10, 10], 4) == [4, 1]
@@ -231,7 +233,7 @@ def test_steps_under_max_steps_follows_the_trainer_loop():
     lambda tmp: compat.record_sampler_batches(tmp / "rank0.jsonl"),
     lambda tmp: compat.metric_flattener(),
     lambda tmp: compat.before_checkpoint(lambda: None),
-    lambda tmp: compat.sampler_class(),
+    lambda tmp: sampler.sampler_class(),
 ])  # fmt: skip
 def test_every_observer_refuses_another_speculators_version(monkeypatch, tmp_path, call):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
@@ -282,14 +284,14 @@ def test_before_checkpoint_runs_ahead_of_each_checkpoint(monkeypatch):
 def test_standalone_sampler_file_needs_nothing_from_speculators():
     import ast
 
-    source = inspect.getsource(compat._standalone_sampler_module())
+    source = inspect.getsource(pinned._standalone("train.distributed_batch_sampler"))
     imported = {n.module or "" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in imported if m.startswith("speculators")], imported
 
 
 def test_the_launcher_loads_speculators_sampler_and_vocab_mapping_without_the_package():
-    """compat.speculators_module executes those two files alone (the package's __init__ costs
+    """pinned.speculators_module executes those two files alone (the package's __init__ costs
     the launcher seconds): they must import nothing of speculators, and give what the package
     gives."""
     import ast
@@ -310,10 +312,10 @@ def test_the_launcher_loads_speculators_sampler_and_vocab_mapping_without_the_pa
         s.set_epoch(2)
         return [[int(i) for i in b] for b in s]
 
-    alone = compat._standalone("train.distributed_batch_sampler").MultipackDistributedBatchSamplerV2
+    alone = pinned._standalone("train.distributed_batch_sampler").MultipackDistributedBatchSamplerV2
     assert alone is not sampler_mod.MultipackDistributedBatchSamplerV2
     assert batches(alone) == batches(sampler_mod.MultipackDistributedBatchSamplerV2) != []
     freq = {0: 5, 2: 9, 3: 1, 4: 7, 5: 3, 7: 2}
-    a = compat._standalone("train.vocab_mapping").build_vocab_mappings_from_distribution(freq, 4, 8)
+    a = pinned._standalone("train.vocab_mapping").build_vocab_mappings_from_distribution(freq, 4, 8)
     b = vocab_mapping.build_vocab_mappings_from_distribution(freq, 4, 8)
     assert all(torch.equal(x, y) for x, y in zip(a, b))

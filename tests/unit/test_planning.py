@@ -121,9 +121,9 @@ def test_rank0_step_count_is_the_accounting_count():
     from draftlab.plan import accounting as acc
 
     lengths = [int(x) for x in np.random.default_rng(1).integers(20, 700, 300)]
-    from draftlab.training import compat
+    from draftlab import pinned
 
-    standalone = compat._standalone_sampler_module().MultipackDistributedBatchSamplerV2
+    standalone = pinned._standalone("train.distributed_batch_sampler").MultipackDistributedBatchSamplerV2
     for w in (1, 2, 4):
         a = acc.plan_epochs(lengths, total_seq_len=1024, world_size=w, epochs=2, seed=5)
         for e in a.epochs:

@@ -48,7 +48,7 @@ RECORDS = [
     (lambda d: RunDir(d).launch_file(), Launch(pgid=4242)),
     (lambda d: RunDir(d).launch_file(node_rank=1), Launch(pgid=4343)),
     (lambda d: RunDir(d).plan, RankPlan(total_steps=3, step_tokens=[10, 9, 8], epoch_steps=[3], val_steps=1,
-                                        optimizer="Muon", store_dir="/data/hs", verify_reads="header")),
+                                        optimizer="Muon", verify_reads="header")),
     (lambda d: RunDir(d).accounting_check, AccountingCheck(problems=[], observed_steps=None)),
     (lambda d: RunDir(d).failure, Failure(reason="non-finite loss", message="train/loss is nan at step 3")),
     (lambda d: RunDir(d).command, Command(cmd=["python", "-m", "torch.distributed.run"])),

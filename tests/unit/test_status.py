@@ -136,7 +136,7 @@ def test_the_go_no_go_line_has_the_trend_the_bottleneck_and_the_eta():
 def test_a_live_window_goes_to_mlflow_and_the_run_folder(tmp_path):
     from types import SimpleNamespace
 
-    from draftlab.observe.live import FILE, TAG, LiveVerdict
+    from draftlab.observe.live import TAG, LiveVerdict
     from draftlab.observe.telemetry import Sample
 
     rd = RunDir(tmp_path)
@@ -154,7 +154,7 @@ def test_a_live_window_goes_to_mlflow_and_the_run_folder(tmp_path):
     assert rec["label"].startswith("data-bound") and rec["last_step"] == 9
     assert tracker.tags[TAG] == rec["label"]
     assert any(step == 9 and m["bottleneck/data_wait_frac"] == pytest.approx(0.8) for step, m in tracker.metrics)
-    assert json.loads((tmp_path / FILE).read_text())["label"] == rec["label"]
+    assert json.loads(RunDir(tmp_path).live_verdict_path.read_text())["label"] == rec["label"]
     assert live.window() is None, "nothing new: no window"
     info = st.run_status(_with_run(tmp_path))
     assert info["bottleneck"]["label"] == rec["label"]

@@ -1,5 +1,5 @@
 """The store's checks: headers named (never a SafetensorError), the training loader's verified
-reads (compat.VerifiedTransfer inside speculators' own ArrowDataset), the layer-id refusals
+reads (hidden_states.VerifiedTransfer inside speculators' own ArrowDataset), the layer-id refusals
 made from a target's config, and extract's repair bookkeeping."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import pytest
 
 from draftlab.params import ParamsError
 from draftlab.stages.extract import resolve_layer_ids
-from draftlab.training import compat
+from draftlab.store import hidden_states
 
 
 def test_a_worker_reraised_error_keeps_its_one_line():
-    wrapped = compat.HiddenStateFileError(
+    wrapped = hidden_states.HiddenStateFileError(
         "Caught HiddenStateFileError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-        '  File "x.py", line 1, in f\ndraftlab.compat.HiddenStateFileError: /s/hs_1.safetensors: missing; run it\n')
-    assert compat.clean_message(wrapped) == "/s/hs_1.safetensors: missing; run it"
+        '  File "x.py", line 1, in f\ndraftlab.store.hidden_states.HiddenStateFileError: /s/hs_1.safetensors: missing; run it\n')
+    assert hidden_states.clean_message(wrapped) == "/s/hs_1.safetensors: missing; run it"
 
 
 def test_layer_ids_are_checked_against_the_target_depth():

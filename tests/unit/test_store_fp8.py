@@ -28,17 +28,19 @@ def test_unknown_dtype_and_missing_fp8_are_one_line_errors(monkeypatch):
 def test_train_reads_an_fp8_store_with_speculators_fp8_backend(tmp_path):
     from hs_connectors import HiddenStatesBackend
 
+    from draftlab.store.hidden_states import StoreSource
     from draftlab.training.job import speculators_argv
 
     params = tiny_params()
-    kw = dict(verifier="v", data_dir=tmp_path, store_dir=tmp_path, out_dir=tmp_path, layer_ids=[2, 4, 5],
+    kw = dict(verifier="v", data_dir=tmp_path, out_dir=tmp_path, layer_ids=[2, 4, 5],
               total_steps=10, d2t=tmp_path / "d2t", t2d=tmp_path / "t2d", device="cpu")
 
     def backend_of(argv):
         return argv[argv.index("--hidden-states-backend") + 1]
 
-    assert backend_of(speculators_argv(params, store_dtype="float8_e4m3fn", **kw)) == "fp8"
-    assert backend_of(speculators_argv(params, store_dtype="bfloat16", **kw)) == "file"
+    fp8, bf16 = StoreSource(tmp_path, "float8_e4m3fn"), StoreSource(tmp_path, "bfloat16")
+    assert backend_of(speculators_argv(params, source=fp8, **kw)) == "fp8"
+    assert backend_of(speculators_argv(params, source=bf16, **kw)) == "file"
     assert {"fp8", "file"} <= set(HiddenStatesBackend.registry)
 
 
@@ -67,19 +69,19 @@ def test_journal_append_never_writes_through_a_dvc_cache_link(tmp_path):
 def test_draftlab_dequantize_is_hs_connectors_bit_for_bit(monkeypatch):
     from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
-    from draftlab.training import compat
+    from draftlab.store import hidden_states
 
     # every fp8 byte (NaNs, subnormals, ±0, ±448) at per-token scales from tiny to huge, with more
     # tokens than one lookup chunk
     codes = torch.arange(256, dtype=torch.uint8).repeat(40).view(40, 4, 64).view(torch.float8_e4m3fn)
     scales = torch.logspace(-30, 30, 40).view(40, 1, 1).float()
     scales[3] = 1.0
-    monkeypatch.setattr(compat, "_FP8_LUT_CHUNK", 7 * 256)  # several chunks, the last one partial
-    want, got = dequantize_fp8_tensor(codes, scales), compat.dequantize_fp8(codes, scales)
+    monkeypatch.setattr(hidden_states, "_FP8_LUT_CHUNK", 7 * 256)  # several chunks, the last one partial
+    want, got = dequantize_fp8_tensor(codes, scales), hidden_states.dequantize_fp8(codes, scales)
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and nan.any()
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     # another dtype than bf16 takes the stock expression
-    assert torch.equal(compat.dequantize_fp8(codes, scales, torch.float32)[~nan],
+    assert torch.equal(hidden_states.dequantize_fp8(codes, scales, torch.float32)[~nan],
                        dequantize_fp8_tensor(codes, scales, dtype=torch.float32)[~nan])

@@ -11,7 +11,7 @@ from draftlab.sweep.budget import STALE_AFTER_S, Outcome, point_from_outcome, st
 from draftlab.sweep.propose import rejected
 from draftlab.sweep.report import pareto_front, trial_rows
 from draftlab.sweep.space import SpaceError, check_spec, parse_duration, read_spec
-from draftlab.training.compat import steps_under_max_steps
+from draftlab.plan.sampler import steps_under_max_steps
 from tests.sweep_sim import (
     BASE,
     GRACE,

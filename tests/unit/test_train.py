@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from draftlab import procs
+from draftlab import paths, procs
 from draftlab.params import ParamsError
 from draftlab.rundir import Launch, Manifest, RankPlan, RunDir, TargetInfo
+from draftlab.store.hidden_states import StoreSource
 from draftlab.training import job, launch
 from draftlab.training.rank import MetricsToTracker
 from tests.conftest import RecordingTracker, tiny_params
@@ -25,7 +26,8 @@ from tests.conftest import RecordingTracker, tiny_params
 
 def _argv(params, tmp_path, device="cpu"):
     return job.speculators_argv(
-        params, verifier="v", data_dir=tmp_path / "data", store_dir=tmp_path / "hs", out_dir=tmp_path / "run",
+        params, verifier="v", data_dir=tmp_path / "data", source=StoreSource(tmp_path / "hs", "bfloat16"),
+        out_dir=tmp_path / "run",
         layer_ids=[2, 4, 5], total_steps=17, d2t=tmp_path / "d2t.npy", t2d=tmp_path / "t2d.npy", device=device)
 
 
@@ -55,9 +57,9 @@ def test_on_a_gpu_the_trainers_own_kernels_stay_and_no_cut_without_max_steps(tmp
 def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
     manifest = Manifest(key="k", target=TargetInfo(source="tiny", num_layers=8, hidden_size=32), layer_ids=[2, 4, 5],
                         num_files=0, num_tokens=0, total_bytes=0, files=[])
-    assert job.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
+    assert job.check_layer_ids(tiny_params(), manifest, paths.STORE) == [2, 4, 5]
     same = tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
-    assert job.check_layer_ids(same, manifest) == [2, 4, 5]
+    assert job.check_layer_ids(same, manifest, paths.STORE) == [2, 4, 5]
     other = tiny_params(train={"extra_args": ["--target-layer-ids", "1", "4", "5", "--seed", "3"]})
     with pytest.raises(ParamsError, match=r"^train.extra_args: --target-layer-ids \[1, 4, 5\] disagrees .*"
                                           r"\[2, 4, 5\] \(store/manifest.json\)"):

@@ -5,4 +5,6 @@
     steps   the steps themselves; they call the stage functions `dvc repro` calls
 
 Sits above the stages (like the CLI and the sweep): `steps` imports them.
+
+May import: the shared core, `stages`, `store.layout`.
 """

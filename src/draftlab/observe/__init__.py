@@ -3,5 +3,5 @@
     telemetry   disk, CPU, data-wait and GPU samplers; per-step profile records
     bottleneck  windows → a verdict (data-bound, compute-bound, …) with its evidence and remedy
 
-May import: the shared core (rundir, threads, util). Never a stage.
+May import: the shared core. Never a stage.
 """

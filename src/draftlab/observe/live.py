@@ -23,7 +23,6 @@ from pathlib import Path
 
 from draftlab.rundir import RunDir
 
-FILE = "bottleneck-live.json"
 TAG = "draftlab.bottleneck.window"
 FIGURES = ("data_wait_frac", "step_ms", "disk_read_mb_s", "disk_busy_pct", "cpu_busy_pct", "cpu_iowait_pct",
            "comm_frac", "gpu_util_pct", "gpu_power_frac")
@@ -127,7 +126,7 @@ class LiveVerdict:
                "window": f"last {self.window_s:.0f} s", "last_step": w.last_step,
                "figures": {k: getattr(w, k) for k in FIGURES if getattr(w, k) is not None}}
         self.windows.append({k: rec[k] for k in ("label", "t_end", "last_step")})
-        write_json_atomic(self.run_dir / FILE, {**rec, "history": self.windows[-50:], "detail": asdict(w)})
+        write_json_atomic(RunDir(self.run_dir).live_verdict_path, {**rec, "history": self.windows[-50:], "detail": asdict(w)})
         self.tracker.set_tags({TAG: v.label})
         if rec["figures"] and w.last_step is not None:
             self.tracker.log_metrics({f"bottleneck/{k}": float(x) for k, x in rec["figures"].items()}, step=w.last_step)

@@ -8,7 +8,8 @@ model, `draftlab plan` and the run's ETA.
     costmodel   start-up + steps × s/step + epoch boundaries × s/epoch, from measured points
     planning    `draftlab plan`: bytes, steps, wall-clock and GPU-hours per GPU count
     run_timing  the live ETA of a running training, its 10–90 % range, the harness's CPU
+    sampler     speculators' packing sampler (loaded without the package) and its --max-steps rule
 
-May import: the shared core (params, rundir, tracking, devices, errors, util), `store.layout`,
-`training.compat` (the sampler), `observe.telemetry`. Never a stage.
+May import: the shared core, `store.layout`, `store.hidden_states` (the dtype a trainer reads),
+`observe.telemetry`. Never `training` (which imports the plan), never a stage.
 """

@@ -76,12 +76,12 @@ class Accounting:
         return out
 
     def limited(self, max_steps: int | None) -> Accounting:
-        """This plan under speculators' --max-steps (draftlab.training.compat.steps_under_max_steps)."""
+        """This plan under speculators' --max-steps (draftlab.plan.sampler.steps_under_max_steps)."""
         if max_steps is None:
             return self
         from dataclasses import replace
 
-        from draftlab.training.compat import steps_under_max_steps
+        from draftlab.plan.sampler import steps_under_max_steps
 
         return replace(self, max_steps=max_steps,
                        trained_steps=steps_under_max_steps([e.steps for e in self.epochs], max_steps))
@@ -94,9 +94,9 @@ def digest(sample_ids) -> str:
 def rank_batches(lengths: list[int], *, total_seq_len: int, world_size: int, rank: int, seed: int, epoch: int):
     """The batches (lists of train-split sample ids) rank `rank` gets in `epoch`: the trainer's
     own sampler, constructed as speculators' dataloader constructs it."""
-    from draftlab.training import compat
+    from draftlab.plan.sampler import sampler_class
 
-    sampler = compat.sampler_class()(
+    sampler = sampler_class()(
         batch_max_length=total_seq_len, lengths=lengths, num_replicas=world_size, rank=rank, seed=seed
     )
     sampler.set_epoch(epoch)

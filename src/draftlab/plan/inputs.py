@@ -102,17 +102,15 @@ def tracking_store_exists(uri: str) -> bool:
 
 def measured_points(params: Params, store_dir: Path) -> tuple[dict, str]:
     """(points by GPU count, a note on where they were looked for)."""
-    from draftlab.tracking import tracking_uri
+    from draftlab import tracking
 
-    uri = tracking_uri()
+    uri = tracking.tracking_uri()
     if not tracking_store_exists(uri):
         return {}, f"no MLflow store at {uri}"
-    import mlflow
-
     from draftlab.plan import costmodel
 
     try:
-        points = costmodel.points_from_mlflow(params, client=mlflow.MlflowClient(uri),
+        points = costmodel.points_from_mlflow(params, client=tracking.client(uri),
                                               store_hash=store_hash(params, store_dir))
     except Exception as err:  # noqa: BLE001 — unreachable server, old schema: plan without them
         return {}, f"MLflow at {uri} not read ({type(err).__name__})"

@@ -23,6 +23,7 @@ from typing import NamedTuple, Sequence
 from draftlab.plan import costmodel
 from draftlab.plan.steps import CENTRAL_SIGMA, LENGTH_SIGMAS, StepEstimate, plan_from_counts, plan_from_lengths
 from draftlab.store import layout as store
+from draftlab.store.hidden_states import read_dtype
 
 DEFAULT_GPU_COUNTS = (1, 2, 4, 8)
 SAFETENSORS_HEADER_BYTES = 168  # measured: 8-byte length + JSON header of hs_<i> ([T, 4, H] + [T])
@@ -67,7 +68,7 @@ def store_bytes(num_tokens: int, num_samples: int, hidden_size: int, dtype: str 
 def batch_bytes(total_seq_len: int, hidden_size: int, dtype: str = "bfloat16") -> int:
     """One packed row as speculators' CollateFn builds it: hidden_states [L, 3H] + verifier_last
     [L, H] in `dtype`, plus the int64 index tensors (~470 MB at L = 8,192, H = 7,168, bf16)."""
-    return total_seq_len * (4 * hidden_size * store.DTYPE_BYTES[store.read_dtype(dtype)]
+    return total_seq_len * (4 * hidden_size * store.DTYPE_BYTES[read_dtype(dtype)]
                             + COLLATE_INDEX_BYTES_PER_TOKEN)
 
 

@@ -36,16 +36,14 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
     cannot be read."""
     out = {"epoch_s_prior": None, "tail_s_prior": None, "tail_s_lo": None, "tail_s_hi": None}
     try:
-        import mlflow
-
+        from draftlab import tracking
         from draftlab.devices import device_tags
         from draftlab.plan import costmodel
-        from draftlab.tracking import tracking_uri
 
         n = params.train.world_size()
         points = costmodel.matching_points(params, [n], store_hash=manifest_sha,
                                            device_model=device_tags(device)["device.model"],
-                                           client=mlflow.MlflowClient(tracking_uri()), max_runs=50,
+                                           client=tracking.client(), max_runs=50,
                                            per_count=TAIL_RUNS).get(n, [])
     except Exception:  # noqa: BLE001 — the ETA falls back to its own estimate
         return out

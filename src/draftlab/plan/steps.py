@@ -10,7 +10,7 @@ own bin, so rank 0's batch count *is* every rank's (plan_epochs asserts they agr
 per-epoch reshuffle moves the count by < 0.2 % (measured: 6,581 vs 6,583; 4,998 vs 4,991),
 far inside the range spanned by the length distributions. So counts run the sampler once per
 (distribution, GPU count) for epoch 0 and multiply by epochs, loading speculators' sampler
-file without the package's heavy `__init__` (draftlab.training.compat.sampler_class): the same code, a
+file without the package's heavy `__init__` (draftlab.plan.sampler.sampler_class): the same code, a
 few seconds in all.
 """
 
@@ -48,9 +48,9 @@ def packing_bounds(trained_tokens: int, num_samples: int, total_seq_len: int, wo
 
 def epoch_steps(lengths, *, total_seq_len: int, world_size: int, seed: int, epoch: int = 0) -> int:
     """Global optimizer steps of one epoch = rank 0's batches (every rank has as many)."""
-    from draftlab.training import compat
+    from draftlab.plan.sampler import epoch_batches
 
-    return compat.epoch_batches(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed, epoch=epoch)
+    return epoch_batches(lengths, total_seq_len=total_seq_len, world_size=world_size, seed=seed, epoch=epoch)
 
 
 def plan_from_lengths(lengths: Sequence[int], *, total_seq_len: int, world_size: int, epochs: int,

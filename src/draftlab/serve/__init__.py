@@ -4,6 +4,6 @@
     serving       a `vllm serve` process's lifetime and its Prometheus counters
     draft_export  the checkpoint rewritten as a folder vLLM serves (verifier path, 3 aux layers)
 
-May import: the shared core (params, models, procs, rundir, errors, util, generation),
-`store.layout`. Never a stage.
+May import: the shared core (params, models, procs, rundir, errors, util, generation). Never the
+store (which imports `serving` to run its extraction server), never a stage.
 """

@@ -95,7 +95,7 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     import torch
     from safetensors.torch import save_file
 
-    from draftlab.store import layout as store
+    from draftlab.rundir import StoreDir
 
     out_dir = Path(out_dir)
     train, checkpoint, cfg = read_checkpoint(train_dir)
@@ -103,7 +103,7 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     verifier_local = resolve(params, target_dir)
     target_config = Path(verifier_local) / "config.json"
     target_cfg = json.loads(target_config.read_text()) if target_config.is_file() else {}
-    manifest = store.read_manifest(store_dir)
+    manifest = StoreDir(store_dir).manifest.read()  # the record alone: serving needs nothing of the store package
     layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or manifest.layer_ids
     if len(layer_ids) != 3:
         raise ParamsError(f"{source}: {len(layer_ids)} aux layer ids {list(layer_ids)}; vLLM's EAGLE-3 loader "

@@ -25,6 +25,7 @@ from pathlib import Path
 from draftlab.params import Params
 from draftlab.rundir import RunDir
 from draftlab.store import layout as store
+from draftlab.store.hidden_states import HiddenStateSource, source_for_store
 from draftlab.training import metrics as train_metrics
 from draftlab.util import write_json_atomic
 
@@ -34,32 +35,24 @@ class EvaluateResult:
     metrics: dict
 
 
-def simulated(params: Params, draft, target, data_dir: Path, store_dir: Path, *,
+def simulated(params: Params, draft, target, data_dir: Path, source: HiddenStateSource, *,
               batches: list[list[int]] | None = None, per_batch: list[dict] | None = None) -> dict:
-    """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax. `batches`
+    """Teacher-forced validation metrics per TTT step, full-vocabulary target argmax, on the hidden
+    states `source` reads (draftlab.store.hidden_states). `batches`
     (val-split indices) replaces the trainer's packing; `per_batch` collects each batch's counts
     (for a bootstrap over samples: benchmarks/fp8_ab.py)."""
     import torch
-    from hs_connectors import FileTransfer, FP8Transfer
-    from speculators.train.data import ArrowDataset, CollateFn
+
+    from draftlab.plan.sampler import sampler_class
+    from draftlab.training.compat import eagle3_collate
 
     t = params.train
-    # the trainer's own reader for the store's dtype (fp8 is dequantized on read)
-    if store.read_manifest(store_dir).dtype == store.FP8:
-        transfer = FP8Transfer(Path(store_dir), dequantize_dtype=getattr(torch, store.read_dtype(store.FP8)))
-    else:
-        transfer = FileTransfer(Path(store_dir))
-    ds = ArrowDataset(max_len=t.total_seq_len, datapath=str(data_dir), transfer=transfer,
-                      on_missing="raise", train_ratio=params.data.train_ratio, split="val",
-                      hidden_states_dtype=getattr(torch, t.hidden_states_dtype))
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-
-    # exactly the trainer's validation batches: its packing sampler and its eagle3 preprocess
-    collate = CollateFn(t.total_seq_len, target.config.hidden_size, num_target_layers=3,
-                        dtype=getattr(torch, t.hidden_states_dtype), preprocess=shift_batch)
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=t.total_seq_len, lengths=ds.approx_lengths,
-                                                 num_replicas=1, rank=0, seed=0)
+    # exactly the trainer's validation batches: its reader, packing sampler and eagle3 preprocess
+    ds = source.dataset(data_dir, split="val", max_len=t.total_seq_len,
+                        train_ratio=params.data.train_ratio, hidden_states_dtype=t.hidden_states_dtype)
+    collate = eagle3_collate(t.total_seq_len, target.config.hidden_size, t.hidden_states_dtype)
+    sampler = sampler_class()(batch_max_length=t.total_seq_len, lengths=ds.approx_lengths,
+                              num_replicas=1, rank=0, seed=0)
     steps = t.ttt_steps
     d2t, in_draft_vocab = draft.d2t.long(), draft.t2d.bool()
     keys = ("loss", "full_correct", "full_total", "cond_total", "spec_full_correct")
@@ -254,7 +247,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     target, tokenizer = load_target(params, target_dir, device=placement.device)
     draft = load_draft(Path(train.checkpoint), resolve(params, target_dir)).to(placement.device)
     with devices.autocast(placement):
-        metrics = simulated(params, draft, target, data_dir, store_dir)
+        metrics = simulated(params, draft, target, data_dir, source_for_store(store_dir))
     from draftlab.serve.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)

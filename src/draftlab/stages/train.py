@@ -139,7 +139,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     from draftlab.models import resolve
     from draftlab.tracking import MlflowTracker, git_tags
 
-    layer_ids, store_dtype, device = preflight(params, data_dir, store_dir, console)
+    layer_ids, source, device = preflight(params, data_dir, store_dir, console)
     manifest_sha = store.manifest_hash(store_dir)
     key = run_key(params, manifest_sha, data_dir)
     a, step_tokens = plan(params, data_dir)
@@ -162,7 +162,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         if not resumed:
             tracker.log_params({**{k: v for k, v in flatten(params).items()}, **a.mlflow_params(),
                                 "train.resolved_lr": params.train.resolved_lr(), "device": device,
-                                "store.dtype": store_dtype, "hidden_states_backend": store.backend(store_dtype)})
+                                **source.mlflow_params()})
             for e in a.epochs:  # per epoch, comparable across runs in the MLflow UI
                 tracker.log_metrics({"accounting/steps_per_epoch": e.steps}, step=e.epoch)
             tracker.set_tags({**git_tags(), **_versions(), **devices.device_tags(device),
@@ -178,19 +178,18 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             # for the ETA: where epochs end (validation + checkpoint follow), and their cost
             epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
             val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
-            optimizer={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer], store_dir=str(store_dir),
+            optimizer={"adamw": "AdamW", "muon": "Muon"}[params.train.optimizer],
             verify_reads=params.train.verify_reads, warmup_steps=params.train.warmup_steps,
             watch=params.train.watch.model_dump()))
         d2t, t2d = vocab_mappings(params, target_dir, data_dir, out_dir)
         argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
-                                store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
-                                total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device,
-                                store_dtype=store_dtype)
+                                source=source, out_dir=out_dir, layer_ids=layer_ids,
+                                total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device)
         cmd = launch.torchrun_cmd(params, argv)
         rd.command.write(Command(cmd=cmd))
         rd.failure.unlink()
         rd.progress.unlink()
-        (out_dir / "bottleneck-live.json").unlink(missing_ok=True)
+        rd.live_verdict_path.unlink(missing_ok=True)
         from draftlab import threads
 
         # the ranks on this node split this process's threads (torchrun would give each 1, or

@@ -1,11 +1,12 @@
 """The hidden-state store: its files, how they are written, and how DVC sees them.
 
     layout         `hs_<i>.safetensors` in speculators' layout, the journal, the manifest, verify
+    hidden_states  where a training or an evaluation reads hidden states from (`HiddenStateSource`):
+                   the store's files checked against the manifest, decoded, fp8 dequantized
     capture        the extraction loop (a layer capture on the target, atomic file writes)
     extract_ranks  `python -m draftlab.store.extract_ranks`: one extraction process per GPU
     vllm_extract   extraction through a vLLM server (started here or the user's own)
     dvc_track      what DVC tracks of a store: every file, or the manifest alone
 
-May import: the shared core (params, rundir, models, devices, procs, errors, util, console),
-`serve.serving` (the vLLM server's lifetime). Never a stage.
+May import: the shared core, `serve.serving` (the vLLM server's lifetime). Never a stage.
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftlab import paths
 from draftlab.rundir import StoreDir
 
 MODES = ("files", "manifest")
@@ -46,7 +47,7 @@ def _arg(stage: dict, flag: str, default: str | None) -> str | None:
 
 
 def _store_arg(stage: dict) -> str:
-    return _arg(stage, "--out", "data/hidden_states")
+    return _arg(stage, "--out", str(paths.STORE))
 
 
 def declared(dvc_yaml: Path) -> str | None:

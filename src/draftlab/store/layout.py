@@ -34,8 +34,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1}
 TOKEN_ID_BYTES = 8  # token_ids are int64
 SCALE_BYTES = 4  # fp8: one fp32 scale per token
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY (a unit test keeps them equal)
-# safetensors header dtype names -> the store's dtype names
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8}
+# safetensors header dtype names -> torch's dtype names (the store's for hidden_states)
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                      "BOOL": "bool", "F8_E4M3": FP8, "F8_E5M2": "float8_e5m2"}
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -64,16 +66,6 @@ def bytes_per_token(hidden_size: int, dtype: str) -> int:
     """Analytic payload per token: 4 layers × H × dtype bytes + one int64 token id (+ one fp32
     scale in an fp8 store)."""
     return 4 * hidden_size * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES + (SCALE_BYTES if dtype == FP8 else 0)
-
-
-def read_dtype(dtype: str) -> str:
-    """The dtype speculators' reader hands the trainer: fp8 files are dequantized to bfloat16."""
-    return "bfloat16" if dtype == FP8 else dtype
-
-
-def backend(dtype: str) -> str:
-    """speculators' `--hidden-states-backend` for a store of this dtype."""
-    return "fp8" if dtype == FP8 else "file"
 
 
 def file_dtype(path: Path) -> str:
@@ -271,7 +263,6 @@ def verify(store_dir: Path, *, full: bool = True, changed_only: bool = False, re
 
 
 REPAIR = "run `draftlab extract` (or `dvc repro extract`): it re-extracts only the bad files"
-BAD_FILES = "bad-files.jsonl"
 
 
 def record_bad(store_dir: Path, problems: dict[str, str]) -> None:
@@ -286,7 +277,7 @@ def record_bad(store_dir: Path, problems: dict[str, str]) -> None:
     for folder in {store_dir, work_dir(store_dir)}:
         if folder.is_dir():
             try:
-                with open(folder / BAD_FILES, "a") as f:  # one write: several readers may append at once
+                with open(StoreDir(folder).bad_files_path, "a") as f:  # one write: several readers may append at once
                     f.write(lines)
             except OSError:
                 pass  # a read-only store: the reader's message still names the file
@@ -294,7 +285,7 @@ def record_bad(store_dir: Path, problems: dict[str, str]) -> None:
 
 def recorded_bad(store_dir: Path) -> dict[str, str]:
     """{file name: problem} recorded in `store_dir` (a torn last line from a kill is skipped)."""
-    path = Path(store_dir) / BAD_FILES
+    path = StoreDir(store_dir).bad_files_path
     out: dict[str, str] = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -307,7 +298,7 @@ def recorded_bad(store_dir: Path) -> dict[str, str]:
 
 
 def clear_bad(store_dir: Path) -> None:
-    Path(store_dir, BAD_FILES).unlink(missing_ok=True)
+    StoreDir(store_dir).bad_files_path.unlink(missing_ok=True)
 
 
 def _problem_names(store_dir: Path, problems: list[str]) -> dict[str, str]:

@@ -38,4 +38,7 @@ launcher (draftlab.sweep.trial) runs `draftlab train` + `draftlab evaluate` in a
     study        the Optuna study, the parent MLflow run, `draftlab sweep` itself
     report       the parent run's artifacts: trials.csv, best params, Pareto front, importances
     trial        one trial as a process (`python -m draftlab.sweep.trial`) and the launcher of it
+
+Sits above the stages (it runs `train` and `evaluate` as a trial does).
+May import: the shared core, `stages`, `plan`, `training.job`, `store.layout`.
 """

@@ -3,7 +3,7 @@ and the measured points the cost model is built from (kept in the study, shared 
 
 A calibration is a step-limited `draftlab train` + `draftlab evaluate` at the base lr: epochs 2
 with `train.max_steps` N trains N steps, one epoch boundary and one more step
-(compat.steps_under_max_steps), so one trial measures start-up, s/step, s/epoch and evaluate.
+(draftlab.plan.sampler.steps_under_max_steps), so one trial measures start-up, s/step, s/epoch and evaluate.
 It is queued as a WAITING trial of the study (any worker may take it), queued once per GPU
 count even when workers start together (the caller holds the study lock), never told to the
 study as a completed trial (FAIL with status `calibration`), and its point goes into the

@@ -9,11 +9,11 @@ import csv
 import math
 from pathlib import Path
 
+from draftlab.rundir import StudyDir
 from draftlab.sweep.space import SweepSpec
 from draftlab.util import write_json_atomic
 
 
-SPOOL = "tracking-spool.jsonl"  # the sweep's own MLflow writes (parent run) during an outage
 
 
 def _plot_pareto(rows: list[dict], front: list[dict], metric: str, path: Path) -> None:
@@ -141,7 +141,7 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     if run_id:
         from draftlab.tracking import MlflowTracker
 
-        tracker = MlflowTracker(run_id, spool=out_dir / SPOOL)
+        tracker = MlflowTracker(run_id, spool=StudyDir(out_dir).spool_path)
         metrics = {"sweep/spent_s": spent_s, "sweep/budget_s": budget_s, "sweep/overrun_s": summary["overrun_s"],
                    **{f"sweep/trials_{k.replace('-', '_')}": v for k, v in counts.items()},
                    **{f"sweep/scaling_efficiency_{n}": e for n, e in efficiency.items()},

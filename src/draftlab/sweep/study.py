@@ -189,9 +189,9 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                 worker.ledger.end()
                 last = not worker.ledger.others_running()
             if last:
-                from draftlab.sweep.report import SPOOL
+                from draftlab.rundir import StudyDir
 
-                parent_tracker = tracking.MlflowTracker(parent, spool=out_dir / SPOOL)
+                parent_tracker = tracking.MlflowTracker(parent, spool=StudyDir(out_dir).spool_path)
                 parent_tracker.end(status)
                 if line := parent_tracker.spool_line("sweep"):
                     console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)

@@ -7,9 +7,10 @@
     rank       `python -m draftlab.training.rank`: one rank, speculators' trainer plus draftlab's
                observers (metrics to MLflow, step and sample records, the convergence watch)
     metrics    rank 0's per-step `metrics.jsonl`, evaluate's loss curves
-    compat     every speculators 0.9 internal draftlab touches, behind one version check
+    compat     the trainer's internals draftlab patches (CPU) or observes, behind one version check
+               (the dataset's reader is `store.hidden_states`'; the packing sampler `plan.sampler`'s)
     nodes      a node other than 0 joining node 0's run
 
 May import: the shared core, `plan`, `store.layout`, `store.capture` (fingerprints),
-`observe.telemetry`. Never a stage.
+`store.hidden_states` (what the ranks read), `observe.telemetry`. Never a stage.
 """

@@ -14,6 +14,7 @@ from draftlab.params import Params, ParamsError
 from draftlab.plan import accounting as acc
 from draftlab.rundir import Manifest, RunDir
 from draftlab.store import layout as store
+from draftlab.store.hidden_states import HiddenStateSource, StoreSource
 
 
 class TrainingFailed(UserError, RuntimeError):
@@ -154,9 +155,9 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     from transformers import AutoConfig
 
     from draftlab.models import resolve
-    from draftlab.training import compat
+    from draftlab.pinned import speculators_module
 
-    build_vocab_mappings_from_distribution = compat.speculators_module(
+    build_vocab_mappings_from_distribution = speculators_module(
         "train.vocab_mapping").build_vocab_mappings_from_distribution
 
     vocab = AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size
@@ -169,15 +170,14 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     return d2t_path, t2d_path
 
 
-def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir: Path, out_dir: Path,
-                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str,
-                     store_dtype: str = "bfloat16") -> list[str]:
+def speculators_argv(params: Params, *, verifier: str, data_dir: Path, source: HiddenStateSource, out_dir: Path,
+                     layer_ids: list[int], total_steps: int, d2t: Path, t2d: Path, device: str) -> list[str]:
+    """The trainer's flags; where its hidden states come from is the source's to say."""
     t = params.train
     argv = [
         "--verifier-name-or-path", verifier,
         "--data-path", str(data_dir),
-        "--hidden-states-path", str(store_dir),
-        "--hidden-states-backend", store.backend(store_dtype),
+        *source.trainer_args(),
         "--save-path", str(out_dir / "checkpoints"),
         "--log-dir", str(out_dir / "logs"),
         "--epochs", str(t.epochs),
@@ -210,7 +210,7 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, store_dir
     return argv + list(t.extra_args)
 
 
-def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path = Path("data/hidden_states")) -> list[int]:
+def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path) -> list[int]:
     """The aux layers come from the store; a draft config that disagrees is refused."""
     layer_ids = manifest.layer_ids
     extra = params.train.extra_args
@@ -242,8 +242,8 @@ def last_global_step(checkpoints: Path) -> int | None:
     return max((s["global_step"] for s in states), default=None)
 
 
-def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], str, str]:
-    """Every check before anything is written or launched: (layer ids, store dtype, device)."""
+def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], HiddenStateSource, str]:
+    """Every check before anything is written or launched: (layer ids, hidden-state source, device)."""
     manifest = store.read_manifest(store_dir)
     layer_ids = check_layer_ids(params, manifest, store_dir)
     store_dtype = manifest.dtype
@@ -258,4 +258,4 @@ def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple
     device = resolve_device(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
-    return layer_ids, store_dtype, device
+    return layer_ids, StoreSource(store_dir, dtype=store_dtype), device

@@ -98,7 +98,7 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
 
     t = params.train
     node = t.node_rank
-    layer_ids, store_dtype, device = tr.preflight(params, data_dir, store_dir, console)
+    layer_ids, source, device = tr.preflight(params, data_dir, store_dir, console)
     a, _ = tr.plan(params, data_dir)
     rd = RunDir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -109,9 +109,8 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
                       f"(world size {a.world_size}, {a.total_steps} steps)")
         d2t, t2d = tr.vocab_paths(params, target_dir, out_dir)  # node 0 writes them before it launches
         argv = tr.speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
-                                   store_dir=store_dir, out_dir=out_dir, layer_ids=layer_ids,
-                                   total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device,
-                                   store_dtype=store_dtype)
+                                   source=source, out_dir=out_dir, layer_ids=layer_ids,
+                                   total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device)
         cmd = launch.torchrun_cmd(params, argv)
         env = dict(threads.thread_env(t.gpus), DRAFTLAB_RUN_DIR=str(out_dir), DRAFTLAB_NODE_RANK=str(node),
                    DRAFTLAB_PARENT_CMD="draftlab.training.torchrun", MLFLOW_TRACKING_URI=tracking_uri(), **RANK_HTTP_ENV)

@@ -31,7 +31,8 @@ from draftlab.rundir import Failure, Progress, RankDone, RankPlan, RunDir
 from draftlab.training import compat
 from draftlab.training import metrics as train_metrics
 from draftlab.training import watch as conv
-from draftlab.training.compat import HiddenStateFileError, clean_message, run_trainer, verify_hidden_state_reads
+from draftlab.store.hidden_states import HiddenStateFileError, clean_message, source_from_trainer_args
+from draftlab.training.compat import run_trainer
 
 
 class _Tags:
@@ -359,8 +360,9 @@ def main(argv: list[str]) -> None:
             # every step up to a checkpoint is in the store before the checkpoint exists: a rank
             # killed by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes
             compat.before_checkpoint(metrics.tracker.drain)
-    if plan is not None and plan.store_dir is not None:
-        verify_hidden_state_reads(Path(plan.store_dir), full=plan.verify_reads == "sha256")
+    source = source_from_trainer_args(argv) if plan is not None else None
+    if source is not None:
+        source.install_in_rank(plan.verify_reads)  # the store: every file read is checked first
     try:
         run_trainer(argv, metric_handlers=handlers)
     except FloatingPointError as err:  # the launcher reads failure.json and says it once

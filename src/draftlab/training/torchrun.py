@@ -19,7 +19,7 @@ import atexit
 import logging
 import os
 import sys
-from pathlib import Path
+from draftlab.rundir import RunDir
 
 
 class _SaidWhy(logging.Filter):
@@ -28,7 +28,7 @@ class _SaidWhy(logging.Filter):
     def __init__(self):
         super().__init__()
         run_dir = os.environ.get("DRAFTLAB_RUN_DIR")
-        self.failure = Path(run_dir) / "failure.json" if run_dir else None
+        self.failure = RunDir(run_dir).failure.path if run_dir else None
 
     def said(self) -> bool:
         return self.failure is not None and self.failure.is_file()
