@@ -225,7 +225,8 @@ ENV HF_HOME=/cache/huggingface \
     PYTHONPATH=/workspace/src
 
 VOLUME ["/cache"]
-# MLflow UI / tracking server (`mlflow ui --host 0.0.0.0 --port 5000`, or the compose service).
+# MLflow UI / tracking server (`docker run -p 127.0.0.1:5000:5000 … mlflow ui --host 0.0.0.0`: the
+# container listens on every interface, the host publishes it on localhost only; or the compose service).
 EXPOSE 5000
 
 USER ${USER_UID}:${USER_GID}

@@ -1,9 +1,11 @@
 """The MLflow tracking server of compose.yaml, run for a test on 127.0.0.1: the `mlflow` service's
 own command with its host, port, backend store, artifact folder and allowed hosts replaced, so
-the test checks what compose runs.
+the test checks what compose runs, login included: compose's `--app-name=basic-auth` with
+deploy/mlflow-auth.ini (its user store moved to a temp sqlite file) and an admin password of the
+test's own, which clients send as MLFLOW_TRACKING_USERNAME/PASSWORD (`server.login_env`).
 
     server = MlflowServer(postgres_url, tmp_path / "mlartifacts").start()
-    ...  # MLFLOW_TRACKING_URI=server.url
+    ...  # MLFLOW_TRACKING_URI=server.url, **server.login_env; requests.get(…, auth=server.auth)
     server.kill()        # an outage: the whole process group, SIGKILL
     server.start()       # same port, same store
     server.stop()
@@ -11,7 +13,9 @@ the test checks what compose runs.
 
 from __future__ import annotations
 
+import configparser
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +45,16 @@ def compose_command(*, host: str, port: int, backend: str, artifacts: Path) -> l
     return out
 
 
+def auth_config(dest: Path) -> Path:
+    """deploy/mlflow-auth.ini (the file compose mounts) with its user store in `dest`'s folder."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "deploy" / "mlflow-auth.ini")
+    config["mlflow"]["database_uri"] = f"sqlite:///{dest.parent / 'basic_auth.db'}"
+    with open(dest, "w") as f:
+        config.write(f)
+    return dest
+
+
 class MlflowServer:
     def __init__(self, backend: str, artifacts: Path, log: Path | None = None):
         self.port = free_port()
@@ -48,10 +62,19 @@ class MlflowServer:
         self.cmd = compose_command(host="127.0.0.1", port=self.port, backend=backend, artifacts=artifacts)
         self.log = log or Path(artifacts).parent / "mlflow-server.log"
         self.proc: subprocess.Popen | None = None
+        Path(artifacts).parent.mkdir(parents=True, exist_ok=True)
+        self.config = auth_config(Path(artifacts).parent / "mlflow-auth.ini")
+        self.auth = ("admin", f"admin-{secrets.token_hex(8)}")
+        self.secret_key = secrets.token_hex(16)  # the same across restarts, as compose's .env keeps it
+        # what a client sends to log in (MLflow's client reads these on every request)
+        self.login_env = {"MLFLOW_TRACKING_USERNAME": self.auth[0], "MLFLOW_TRACKING_PASSWORD": self.auth[1]}
 
     def start(self) -> MlflowServer:
+        env = dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(self.config), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth[1],
+                   MLFLOW_FLASK_SERVER_SECRET_KEY=self.secret_key)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.healthy():
             if self.proc.poll() is not None:

@@ -13,10 +13,38 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from draftlab.errors import UserError
 from draftlab.strict_yaml import DuplicateKey, UniqueKeyLoader
+
+# `speculators train` flags draftlab sets itself from params and the stage's paths
+# (draftlab.training.job.speculators_argv; a test keeps the two in step): train.extra_args may
+# not give them (argparse keeps the last of two, so one there would silently win).
+RESERVED_TRAIN_FLAGS = (
+    "--verifier-name-or-path", "--data-path", "--hidden-states-path", "--hidden-states-backend", "--save-path",
+    "--log-dir", "--epochs", "--lr", "--optimizer", "--scheduler-type", "--scheduler-warmup-steps",
+    "--scheduler-total-steps", "--total-seq-len", "--num-workers", "--prefetch-factor", "--ttt-steps",
+    "--draft-vocab-size", "--num-layers", "--seed", "--checkpoint-freq", "--train-data-ratio",
+    "--hidden-states-dtype", "--target-layer-ids", "--d2t-path", "--t2d-path", "--on-missing", "--max-steps",
+    "--fsdp-shard",
+)
+# set only on a CPU run (speculators' GPU kernels have no CPU backward); a GPU run may choose them
+CPU_TRAIN_FLAGS = ("--draft-attn-impl", "--loss-implementation")
+
+
+def reserved_flag(args: list[str], reserved: tuple[str, ...] = RESERVED_TRAIN_FLAGS) -> tuple[str, str] | None:
+    """(the argument as given, the flag it sets) for the first of `args` that would set one of
+    `reserved` (`--flag`, `--flag=value`, or a prefix argparse expands to it), else None."""
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name = arg.split("=", 1)[0]
+        hits = [f for f in reserved if f == name or (len(name) > 2 and f.startswith(name))]
+        if hits:
+            return arg, name if name in hits else hits[0]
+    return None
+
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -73,7 +101,7 @@ class Target(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the target runs in during extraction and evaluation."
     )
-    trust_remote_code: bool = Field(False, description="Pass trust_remote_code to transformers.")
+    trust_remote_code: StrictBool = Field(False, description="Pass trust_remote_code to transformers.")
     tiny: TinyTarget = Field(default_factory=TinyTarget, description="Used when source is `tiny`.")
 
     @model_validator(mode="after")
@@ -112,7 +140,7 @@ class Prepare(Section):
         "fail",
         description="A malformed record: `fail` stops with file:line; `skip` drops it and counts it.",
     )
-    regenerate: bool = Field(
+    regenerate: StrictBool = Field(
         True,
         description="Replace assistant turns by the target's own greedy output, so the draft learns "
         "what the target will actually say at serving time.",
@@ -271,7 +299,8 @@ class Train(Section):
         "bfloat16", description="dtype the trainer loads hidden states in (the store's dtype)."
     )
     extra_args: list[str] = Field(
-        default_factory=list, description="More `speculators train` flags, passed through verbatim."
+        default_factory=list, description="More `speculators train` flags, passed through verbatim; a flag "
+        "draftlab sets itself (paths, epochs, lr, seed, layer ids, …) is refused."
     )
     verify_reads: Literal["sha256", "header"] = Field(
         "sha256",
@@ -281,6 +310,15 @@ class Train(Section):
     )
     watch: Watch = Field(default_factory=Watch, description="The convergence watch: a NaN/inf loss stops the "
                          "run; after warm-up each TTT position's loss trend is `learning`, `stalled` or `diverging`.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_draftlab_flags(cls, args: list[str]) -> list[str]:
+        if hit := reserved_flag(args):
+            given, flag = hit
+            raise ValueError(f"{given} sets {flag}, which draftlab sets itself from params and the stage's "
+                             "paths; remove it (set the matching params key instead)")
+        return args
 
     @model_validator(mode="after")
     def _nodes(self) -> Train:
@@ -387,6 +425,8 @@ def _one_line(err: ValidationError, source: str) -> str:
         hint = f"; did you mean {close[0]!r}?" if close else "; remove it or check the params reference"
         return f"{source}: unknown key {loc!r}{hint}"
     got = first.get("input")
+    if first["type"] == "bool_type" and isinstance(got, str):  # strict booleans: no "yes", "1", "on"
+        return f"{source}: {loc}: {got!r} is a string, not a boolean; write true or false (unquoted)"
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
     msg = first["msg"]
     if msg.startswith("Value error, "):

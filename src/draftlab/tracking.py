@@ -78,7 +78,9 @@ def experiment_id(mlflow_client, name: str = EXPERIMENT) -> str:
 def ui_url(experiment: str | None = None, run_id: str | None = None, uri: str | None = None) -> str:
     """The MLflow UI's page of an experiment (or one of its runs), in the model-training view.
     A server store's UI is the server itself; a local one's is where `mlflow ui` serves it."""
-    uri = uri or tracking_uri()
+    from draftlab import redact
+
+    uri = redact.url(uri or tracking_uri(), link=True)
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
     route = "experiments" if experiment is None else f"experiments/{experiment}"
     if experiment is not None and run_id is not None:

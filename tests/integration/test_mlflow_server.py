@@ -22,12 +22,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def mlflow_server(postgres_url, tmp_path):
+def mlflow_server(postgres_url, tmp_path, monkeypatch):
+    """The server, and this test's processes (and those they start) logged in to it."""
     from tests.mlflow_server import MlflowServer
 
     server = MlflowServer(postgres_url, tmp_path / "mlartifacts").start()
+    for key, value in server.login_env.items():
+        monkeypatch.setenv(key, value)
     yield server
     server.stop()
+
+
+def test_the_team_server_refuses_a_request_without_a_login(mlflow_server):
+    """compose's server is closed by default: only /health answers without a login, and a
+    wrong password is refused too."""
+    import requests
+
+    api = f"{mlflow_server.url}/api/2.0/mlflow/experiments/search"
+    assert requests.get(f"{mlflow_server.url}/health", timeout=30).status_code == 200
+    assert requests.get(api, params={"max_results": 1}, timeout=30).status_code == 401
+    assert requests.get(api, params={"max_results": 1}, auth=("admin", "wrong"), timeout=30).status_code == 401
+    assert requests.get(api, params={"max_results": 1}, auth=mlflow_server.auth, timeout=30).status_code == 200
 
 
 def _run(cmd, cwd, env, **kw):
@@ -110,7 +125,7 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
 
     # --- everything is readable through the server's REST API
     api = f"{mlflow_server.url}/api/2.0/mlflow"
-    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30).json()["run"]
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, auth=mlflow_server.auth, timeout=30).json()["run"]
     assert run["info"]["status"] == "FINISHED"
     assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:"), "artifacts go through the server"
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
@@ -122,7 +137,8 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
     assert tags["draftlab.accounting"] == "verified" and tags["draftlab.export"]
 
     def listed(path=None):
-        body = requests.get(f"{api}/artifacts/list", params={"run_id": run_id, **({"path": path} if path else {})},
+        body = requests.get(f"{api}/artifacts/list", auth=mlflow_server.auth,
+                            params={"run_id": run_id, **({"path": path} if path else {})},
                             timeout=30).json()
         return {f["path"] for f in body.get("files", [])}
 
@@ -220,7 +236,7 @@ def test_a_server_that_stays_down_to_the_end_costs_one_import(built, tmp_path, m
     steps = sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
     assert steps == list(range(total)), "every step, once"
     api = f"{mlflow_server.url}/api/2.0/mlflow"
-    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30).json()["run"]
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, auth=mlflow_server.auth, timeout=30).json()["run"]
     assert run["info"]["status"] == "FINISHED" and int(run["info"]["end_time"]) > int(run["info"]["start_time"])
     metrics = {m["key"] for m in run["data"]["metrics"]}
     assert {"train/loss", "perf/run_wall_clock_s", "eval/simulated_acc_len", "eval/measured_acc_len"} <= metrics

@@ -114,8 +114,9 @@ def test_nan_loss_stops_the_run_with_a_clear_message(built, tmp_path, mlflow_sto
 def test_bad_train_params_fail_before_launch(built, tmp_path, mlflow_store):
     from draftlab.params import ParamsError
 
-    params = _train_params(built, extra_args=["--target-layer-ids", "1", "2", "3"])
-    with pytest.raises(ParamsError, match=r"train.extra_args: --target-layer-ids \[1, 2, 3\] disagrees"):
+    params = _train_params(built, extra_args=["--loss-implementation", "fused"])  # valid params, not on a CPU
+    with pytest.raises(ParamsError, match=r"train.extra_args: --loss-implementation sets --loss-implementation, "
+                                          r"which a CPU run sets itself"):
         _run(params, built, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 

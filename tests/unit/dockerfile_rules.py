@@ -548,6 +548,19 @@ def check_compose(compose_text: str) -> list[str]:
     targets = _volume_targets(trainer)
     problems += [f"trainer does not mount {t}" for t in ("/workspace", "/cache") if t not in targets]
 
+    # closed by default: a login on the tracking server, no default password, the UI on localhost
+    if _option(mlflow_cmd, "--app-name") != "basic-auth":
+        problems.append("mlflow server runs without authentication (--app-name=basic-auth)")
+    for default in re.findall(r"\$\{(\w*(?:PASSWORD|SECRET|TOKEN)\w*):?-([^}$]*)\}", compose_text):
+        problems.append(f"${{{default[0]}}} has a default value {default[1]!r}: require it (${{{default[0]}:?…}})")
+    for url in re.findall(r"\w+(?:\+\w+)?://[^\s'\"]+", _interpolate(compose_text)):
+        if urlparse(url).password:
+            problems.append(f"a password written into a URL: {url}")
+    for port in mlflow.get("ports") or []:
+        host = _interpolate(str(port)).rsplit(":", 2)[0] if str(port).count(":") >= 2 else ""
+        if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            problems.append(f"mlflow port {port} is published on every interface by default; bind 127.0.0.1")
+
     if not IMAGE_PINNED.match(str(postgres.get("image", ""))):
         problems.append(f"postgres image {postgres.get('image')} is not pinned as name:tag@sha256:<digest>")
     if not postgres.get("healthcheck"):

@@ -164,6 +164,12 @@ MUTATIONS = [
     ("compose", "compose.yaml", "    ipc: host\n", "", "ipc: host"),
     ("compose", "compose.yaml", "@postgres:5432/mlflow", "@localhost:5432/mlflow", "not the postgres service"),
     ("compose", "compose.yaml", "services:\n", "services:\n  - [unbalanced\n", "does not parse"),
+    ("compose", "compose.yaml", "      - --app-name=basic-auth\n", "", "without authentication"),
+    ("compose", "compose.yaml", "POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD in .env}",
+     "POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:-mlflow}", "has a default value 'mlflow'"),
+    ("compose", "compose.yaml", "postgresql://mlflow@postgres", "postgresql://mlflow:mlflow@postgres",
+     "a password written into a URL"),
+    ("compose", "compose.yaml", '"${MLFLOW_BIND:-127.0.0.1}:5000:5000"', '"5000:5000"', "every interface"),
 ]
 
 

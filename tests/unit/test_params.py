@@ -108,6 +108,33 @@ def test_a_duplicated_key_is_refused_with_its_line(tmp_path):
         load_params(path)
 
 
+@pytest.mark.parametrize("text", ["yes", "on", "'true'", '"1"', "Yes", "y"])
+def test_a_string_is_not_a_boolean(tmp_path, text):
+    """YAML 1.1's `yes`/`on` (DVC reads YAML 1.2: strings) and quoted strings are refused, in one
+    line naming the key, instead of becoming true."""
+    path = tmp_path / "params.yaml"
+    path.write_text(f"target:\n  source: hub\n  path: org/model\n  trust_remote_code: {text}\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    line = str(err.value)
+    assert line.startswith(f"{path}: target.trust_remote_code: ") and "is a string, not a boolean" in line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("false", False), ("True", True), ("FALSE", False)])
+def test_true_and_false_are_booleans(tmp_path, text, value):
+    path = tmp_path / "params.yaml"
+    path.write_text(f"prepare:\n  regenerate: {text}\n")
+    assert load_params(path).prepare.regenerate is value
+
+
+def test_yes_and_no_are_strings_where_a_string_is_asked(tmp_path):
+    """The same loader reads `no` as the string DVC reads, not as false."""
+    from draftlab.strict_yaml import UniqueKeyLoader
+
+    assert yaml.load("a: no\nb: on\nc: true\nd: 1", Loader=UniqueKeyLoader) == {"a": "no", "b": "on", "c": True, "d": 1}
+
+
 def test_relative_paths_are_relative_to_the_params_file_wherever_it_is_loaded_from(tmp_path, monkeypatch):
     """One rule: a relative target.path or prepare.path names a file beside the params file;
     load_params returns it absolute, so a copy of the params written elsewhere (a sweep trial's

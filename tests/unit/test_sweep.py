@@ -499,14 +499,16 @@ def test_a_worker_notices_a_dead_peer_on_the_journal_while_it_runs(tmp_path):
 
 @pytest.mark.parametrize("url, needle", [
     ("mysql://u:p@db/optuna", "storage: mysql:// is not supported; use postgresql://"),
-    ("postgresql://u:p@127.0.0.1:1/optuna", "storage: cannot open 'postgresql://u:p@127.0.0.1:1/optuna'"),
+    ("postgresql://u:Planted-Secret-7@127.0.0.1:1/optuna", "storage: cannot open 'postgresql://u:***@127.0.0.1:1/optuna'"),
 ])
 def test_bad_storage_urls_fail_with_one_line(url, needle):
+    """…and the line shows the URL without its password."""
     from draftlab.sweep.storage import StudyStorage
 
     with pytest.raises(SpaceError) as err:
         StudyStorage(url)
     assert needle in str(err.value) and "\n" not in str(err.value)
+    assert "Planted-Secret-7" not in str(err.value)
 
 
 def test_stale_after_must_outlast_two_heartbeats(tmp_path):

@@ -54,16 +54,41 @@ def test_on_a_gpu_the_trainers_own_kernels_stay_and_no_cut_without_max_steps(tmp
     assert cfg.loss.loss_implementation == "fused" and cfg.trainer.max_steps is None and not cfg.trainer.fsdp_shard
 
 
-def test_layer_ids_come_from_the_store_and_a_disagreeing_config_is_refused():
+def test_layer_ids_come_from_the_store_and_extra_args_cannot_name_others():
     manifest = Manifest(key="k", target=TargetInfo(source="tiny", num_layers=8, hidden_size=32), layer_ids=[2, 4, 5],
                         num_files=0, num_tokens=0, total_bytes=0, files=[])
-    assert job.check_layer_ids(tiny_params(), manifest, paths.STORE) == [2, 4, 5]
-    same = tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
-    assert job.check_layer_ids(same, manifest, paths.STORE) == [2, 4, 5]
-    other = tiny_params(train={"extra_args": ["--target-layer-ids", "1", "4", "5", "--seed", "3"]})
-    with pytest.raises(ParamsError, match=r"^train.extra_args: --target-layer-ids \[1, 4, 5\] disagrees .*"
-                                          r"\[2, 4, 5\] \(store/manifest.json\)"):
-        job.check_layer_ids(other, manifest, Path("store"))
+    assert job.check_layer_ids(tiny_params(), manifest) == [2, 4, 5]
+    with pytest.raises(ParamsError, match=r"train.extra_args: --target-layer-ids sets --target-layer-ids, which "
+                                          r"draftlab sets itself"):
+        tiny_params(train={"extra_args": ["--target-layer-ids", "2", "4", "5"]})
+
+
+def test_every_flag_draftlab_sets_is_one_extra_args_cannot_override(tmp_path):
+    """RESERVED_TRAIN_FLAGS is the list of what speculators_argv sets: the two cannot drift."""
+    from draftlab.params import CPU_TRAIN_FLAGS, RESERVED_TRAIN_FLAGS
+
+    argv = _argv(tiny_params(train={"max_steps": 3, "sharding": "fsdp"}), tmp_path, device="cpu")
+    assert {a for a in argv if a.startswith("--")} == {*RESERVED_TRAIN_FLAGS, *CPU_TRAIN_FLAGS}
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--save-path", "/tmp/elsewhere"], "--save-path"),
+    (["--log-freq", "5", "--lr=0.5"], "--lr"),
+    (["--save", "/tmp/elsewhere"], "--save-path"),  # argparse expands a unique prefix
+    (["--epochs", "9"], "--epochs"),
+])
+def test_extra_args_that_override_a_draftlab_flag_are_refused_in_one_line(args, flag):
+    with pytest.raises(ParamsError) as err:
+        tiny_params(train={"extra_args": args})
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("params.yaml: train.extra_args: ") and f"sets {flag}, which" in line
+
+
+def test_on_cpu_extra_args_cannot_change_the_cpu_kernels(tmp_path):
+    params = tiny_params(train={"extra_args": ["--loss-implementation", "fused"]})
+    with pytest.raises(ParamsError, match=r"--loss-implementation sets --loss-implementation, which a CPU run sets"):
+        _argv(params, tmp_path, device="cpu")
+    assert "fused" in _argv(params, tmp_path, device="cuda"), "a GPU run may choose its kernels"
 
 
 def test_torchrun_is_standalone_on_one_node_and_rendezvous_across_nodes():

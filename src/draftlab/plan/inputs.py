@@ -102,16 +102,17 @@ def tracking_store_exists(uri: str) -> bool:
 
 def measured_points(params: Params, store_dir: Path) -> tuple[dict, str]:
     """(points by GPU count, a note on where they were looked for)."""
-    from draftlab import tracking
+    from draftlab import redact, tracking
 
     uri = tracking.tracking_uri()
+    shown = redact.url(uri)
     if not tracking_store_exists(uri):
-        return {}, f"no MLflow store at {uri}"
+        return {}, f"no MLflow store at {shown}"
     from draftlab.plan import costmodel
 
     try:
         points = costmodel.points_from_mlflow(params, client=tracking.client(uri),
                                               store_hash=store_hash(params, store_dir))
     except Exception as err:  # noqa: BLE001 — unreachable server, old schema: plan without them
-        return {}, f"MLflow at {uri} not read ({type(err).__name__})"
-    return points, f"{len(points)} matching run(s) in {uri}"
+        return {}, f"MLflow at {shown} not read ({type(err).__name__})"
+    return points, f"{len(points)} matching run(s) in {shown}"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from draftlab.errors import UserError
 from draftlab.params import Params, ParamsError, flatten, merge, parse_params
@@ -66,7 +66,7 @@ class Dim(_Model):
     choices: list[Any] | None = Field(None, description="Values to choose from.")
     low: float | None = Field(None, description="Lower bound (inclusive).")
     high: float | None = Field(None, description="Upper bound (inclusive).")
-    log: bool = Field(False, description="Sample the range on a log scale (lr).")
+    log: StrictBool = Field(False, description="Sample the range on a log scale (lr).")
     step: float | None = Field(None, description="Grid step of the range.")
 
     @model_validator(mode="after")
@@ -117,7 +117,7 @@ class Calibration(_Model):
                                 "(UNSETTLED_MARGIN) of the trials predicted from it.")
     max_s: float = Field(900, gt=0, description="Longest a calibration trial may run; the budget must exceed "
                          "their sum over the GPU counts not yet calibrated.")
-    reuse: bool = Field(True, description="Take a GPU count's calibration from a finished calibration or sweep "
+    reuse: StrictBool = Field(True, description="Take a GPU count's calibration from a finished calibration or sweep "
                         "trial in MLflow (any study) with the same draft, packing, evaluation, store and device "
                         "model, if there is one.")
 
@@ -172,6 +172,8 @@ def _first_line(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     where = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "bool_type" and isinstance(e.get("input"), str):  # strict booleans: no "yes"
+        msg = f"{e['input']!r} is a string, not a boolean; write true or false (unquoted)"
     return f"{source}: {where}: {msg}" if where else f"{source}: {msg}"
 
 
@@ -179,8 +181,13 @@ def read_spec(path: Path, **overrides: Any) -> SweepSpec:
     """Parse a space file; `overrides` (flags) replace its top-level keys when not None."""
     if not path.is_file():
         raise SpaceError(f"{path}: no such sweep space (see experiments/sweep-tiny.yaml)")
+    from draftlab.strict_yaml import DuplicateKey, UniqueKeyLoader
+
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}  # noqa: S506 — a SafeLoader subclass
+    except DuplicateKey as err:
+        raise SpaceError(f"{path}:{err.line}: duplicated key {err.key!r} (the second value would silently "
+                         "win); keep one") from None
     except yaml.YAMLError as err:
         raise SpaceError(f"{path}: not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(raw, dict):

@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
+from draftlab import redact
 from draftlab.sweep.budget import HEARTBEAT_S, STALE_AFTER_S
 from draftlab.sweep.space import SpaceError
 
@@ -63,8 +64,8 @@ class StudyStorage:
                     url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=heartbeat_s,
                     grace_period=stale_after_s, heartbeat_stale_trial_callback=self._stale)
         except Exception as err:  # noqa: BLE001 — unreachable database, missing driver: one line
-            raise SpaceError(f"storage: cannot open {url!r} ({type(err).__name__}: "
-                             f"{str(err).strip().splitlines()[0]})") from None
+            reason = redact.text(str(err).strip().splitlines()[0], url)
+            raise SpaceError(f"storage: cannot open {redact.url(url)!r} ({type(err).__name__}: {reason})") from None
         self._lock_path = Path(self.optuna.engine.url.database + ".draftlab-lock") if scheme == "sqlite" else None
 
     # -------------------------------------------------------- the study-wide lock

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from draftlab import redact
 from draftlab.params import Params
 from draftlab.plan.costmodel import Point
 from draftlab.sweep import calibration
@@ -98,7 +99,7 @@ def parent_run(study, spec: SweepSpec, storage_text: str) -> str:
             pass
     run = client.create_run(tracking.experiment_id(client), run_name=f"sweep-{spec.study}",
                             tags={**tracking.git_tags(), "draftlab.stage": "sweep", "optuna.study": spec.study,
-                                  "optuna.storage": storage_text})
+                                  "optuna.storage": redact.url(storage_text)})
     from draftlab.tracking import MlflowTracker
 
     MlflowTracker(run.info.run_id).log_params(
@@ -153,10 +154,11 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     check_spec(spec, base, num_devices=len(devices), calibrated=calibrated)
     lengths, _ = train_split(data_dir, base.data.train_ratio)
     study.set_user_attr("draftlab.budget_s", spec.budget_s)
-    study.set_user_attr("draftlab.space", json.loads(spec.model_dump_json()))
+    study.set_user_attr("draftlab.space", {**json.loads(spec.model_dump_json()), "storage": redact.url(spec.storage)})
     with storage.lock(spec.study):  # workers starting together: one parent run
         parent = parent_run(study, spec, url)
-    console.print(f"[bold]sweep[/]: study [cyan]{spec.study}[/] in {url}  (optuna-dashboard {url})")
+    shown = redact.url(url)  # the dashboard command names the password the user's own way, not ours
+    console.print(f"[bold]sweep[/]: study [cyan]{spec.study}[/] in {shown}  (optuna-dashboard {shown})")
     console.print(f"[bold]sweep[/]: budget {spec.budget_s:,.0f} s, trial cap "
                   f"{'—' if spec.trial_cap_s is None else f'{spec.trial_cap_s:,.0f} s'}, devices {devices}, "
                   f"objective {spec.objective.direction} {spec.objective.metric}; MLflow parent run {parent}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import UserError
-from draftlab.params import Params, ParamsError
+from draftlab.params import CPU_TRAIN_FLAGS, Params, ParamsError, reserved_flag
 from draftlab.plan import accounting as acc
 from draftlab.rundir import Manifest, RunDir
 from draftlab.store import layout as store
@@ -202,6 +202,7 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, source: H
         "--on-missing", "raise",
     ]  # fmt: skip
     if device == "cpu":
+        check_cpu_flags(params)
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
     if t.max_steps is not None:
         argv += ["--max-steps", str(t.max_steps)]
@@ -210,19 +211,17 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, source: H
     return argv + list(t.extra_args)
 
 
-def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path) -> list[int]:
-    """The aux layers come from the store; a draft config that disagrees is refused."""
-    layer_ids = manifest.layer_ids
-    extra = params.train.extra_args
-    if "--target-layer-ids" in extra:
-        i = extra.index("--target-layer-ids") + 1
-        asked = [int(x) for x in extra[i : i + 3] if x.lstrip("-").isdigit()]
-        if asked != layer_ids:
-            raise ParamsError(
-                f"train.extra_args: --target-layer-ids {asked} disagrees with the store's layers {layer_ids} "
-                f"({store.manifest_path(store_dir)}); drop it — the ids come from the extract stage"
-            )
-    return layer_ids
+def check_cpu_flags(params: Params) -> None:
+    """On a CPU run draftlab sets the attention and loss kernels itself: extra_args may not."""
+    if hit := reserved_flag(params.train.extra_args, CPU_TRAIN_FLAGS):
+        raise ParamsError(f"train.extra_args: {hit[0]} sets {hit[1]}, which a CPU run sets itself (sdpa "
+                          "attention, eager loss: the GPU kernels have no CPU backward); remove it")
+
+
+def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path | None = None) -> list[int]:
+    """The aux layers come from the store (train.extra_args cannot name others: params refuses
+    `--target-layer-ids` there)."""
+    return manifest.layer_ids
 
 
 def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
@@ -256,6 +255,8 @@ def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple
         raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
     check_seq_len(params, data_dir)
     device = resolve_device(params)
+    if device == "cpu":
+        check_cpu_flags(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
     return layer_ids, StoreSource(store_dir, dtype=store_dtype), device
