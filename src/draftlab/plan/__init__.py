@@ -10,5 +10,6 @@ model, `draftlab plan` and the run's ETA.
     run_timing  the live ETA of a running training, its 10–90 % range, the harness's CPU
 
 May import: the shared core (params, rundir, tracking, devices, errors, util), `store.layout`,
-`training.compat` (the sampler), `observe.telemetry`. Never a stage.
+`training.compat` (the sampler), `training.checkpoint` (which checkpoints are complete),
+`observe.telemetry`. Never a stage.
 """

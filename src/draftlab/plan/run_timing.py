@@ -61,7 +61,9 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
 
 def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
     """Global step at the end of each epoch, from the epoch checkpoints' training state."""
-    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
+    from draftlab.training import checkpoint
+
+    states = [s for p in checkpoint.complete(checkpoints) if (s := checkpoint.training_state(p)) is not None]
     return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
 
 

@@ -8,6 +8,8 @@
                observers (metrics to MLflow, step and sample records, the convergence watch)
     metrics    rank 0's per-step `metrics.jsonl`, evaluate's loss curves
     compat     every speculators 0.9 internal draftlab touches, behind one version check
+    checkpoint checkpoints visible only complete (written aside, synced, renamed), a free-space
+               check before each save, the newest complete one for resume and export
     nodes      a node other than 0 joining node 0's run
 
 May import: the shared core, `plan`, `store.layout`, `store.capture` (fingerprints),
