@@ -88,7 +88,7 @@ def test_too_little_free_space_refuses_the_save_before_it_writes(tmp_path, monke
     with pytest.raises(ck.CheckpointSpaceError, match=r"MiB free, the next checkpoint needs about .* MiB; training "
                                                       r"stopped before writing it and the last complete checkpoint"):
         ck.atomic_save(lambda: wrote.append(1), trainer, 0)
-    assert not wrote and ck.last_global_step(root) == 4
+    assert not wrote and ck.last_global_step(root) == 4 and not (root / ck.STAGING).exists()
 
 
 @pytest.mark.parametrize("damage,why", [

@@ -259,11 +259,6 @@ def atomic_save(save, trainer, epoch) -> None:
             check_space(root, estimate_bytes(root, trainer.model))
         except CheckpointSpaceError as err:
             short = err
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True, exist_ok=True)
-        command = root / ckpt.TRAIN_COMMAND_FILENAME  # speculators copies it from its root: give it one
-        if command.exists():
-            shutil.copy2(command, staging / command.name)
     if distributed:  # every rank refuses together: none is left waiting in the save's collectives
         import torch
 
@@ -276,6 +271,12 @@ def atomic_save(save, trainer, epoch) -> None:
     if refused:
         raise short or CheckpointSpaceError("checkpoint: rank 0 found too little free disk for the next "
                                             "checkpoint; free space, then rerun `draftlab train` to resume")
+    if writer:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True, exist_ok=True)
+        command = root / ckpt.TRAIN_COMMAND_FILENAME  # speculators copies it from its root: give it one
+        if command.exists():
+            shutil.copy2(command, staging / command.name)
     ckpt.path = staging
     try:
         save()

@@ -379,7 +379,7 @@ def main(argv: list[str]) -> None:
         print(f"draftlab: {msg}", file=sys.stderr)
         sys.exit(4)
     except checkpoint.CheckpointSpaceError as err:
-        if run_dir is not None:
+        if run_dir is not None and rank == 0:  # the rank that checked the disk says why; the others follow it
             try:
                 RunDir(run_dir).failure.write(Failure(reason="disk full", message=str(err)))
             except OSError:  # the disk is full: the launcher names torchrun's exit, the rank's line is below
