@@ -116,7 +116,10 @@ def extract(
     from draftlab.tracking import spool_beside, stage_run
 
     checked = stage.check(p, target_dir=target, data_dir=data)  # refusals before any run or move
-    with stage_run("extract", spool=spool_beside(out)) as tracker:
+    from draftlab import folder_lock
+
+    # one extract per store, before its MLflow run is opened (the stage holds it too)
+    with folder_lock.hold(out, "draftlab extract", reentrant=True), stage_run("extract", spool=spool_beside(out)) as tracker:
         result = stage.run(p, target_dir=target, data_dir=data, out_dir=out, tracker=tracker, checked=checked)
     if report is not None:
         from draftlab.util import write_json_atomic

@@ -8,7 +8,7 @@ pydantic model here, and its name is known only here:
     <store>/bad-files.jsonl         (lines)        a reader or verify → extract: files to re-extract
     <run>/run.json                  RunState       the MLflow run this folder resumes, and its key
     <run>/launch.json               Launch         torchrun's process group (stop_orphans, the sweep)
-    <run>/.lock                     (flock)        one launcher per folder (per node: .lock-node<k>)
+    <parent>/.<run>.lock            (flock)        one launcher per folder, beside it (per node: .lock-node<k>)
     <run>/node<k>/pids/             (procs)        node k's ranks, stopped only by node k's launcher
     <run>/plan.json                 RankPlan       launcher → ranks: steps, tokens, ETA priors, settings
     <run>/accounting.json           AccountingRecord  the exact step accounting (an MLflow artifact)
@@ -387,20 +387,34 @@ _SPOOL = TypeAdapter(SpoolRecord)
 
 def append_spool(path: Path, record: dict) -> None:
     """One MLflow call, kept while the tracking store is unreachable (one JSON line)."""
+    from draftlab import appendlog
+
     _SPOOL.validate_python(record)  # a record the import could not read is never written
+    appendlog.append(Path(path), record)  # json's NaN/Infinity, as MLflow takes them; a torn last line trimmed
+
+
+def spool_folder(path: Path) -> Path:
+    """The folder a spool belongs to: the run folder it lies in (`<run>/tracking-spool.jsonl`), or
+    the stage output it lies beside (`<parent>/.<out>.tracking-spool.jsonl`, tracking.spool_beside)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")  # json's NaN/Infinity, as MLflow takes them
+    suffix = ".tracking-spool.jsonl"
+    if path.name.startswith(".") and path.name.endswith(suffix) and len(path.name) > len(suffix) + 1:
+        return path.parent / path.name[1:-len(suffix)]
+    return path.parent
 
 
 def read_spool(path: Path) -> list[SpoolRecord]:
-    """Every record of a spool, or one line naming the first bad one (nothing is uploaded then)."""
+    """Every record of a spool, or one line naming the first bad one (nothing is uploaded then).
+    A partial last line (a kill or a full disk mid-write) is a record never made, and is left out.
+    An artifact record may name only a file under the spool's own folder (spool_folder): a line
+    naming anything else (`~/.ssh/id_rsa`) is refused, symlinks resolved."""
+    from draftlab import appendlog
+
     path = Path(path)
     remedy = ("a `draftlab tracking-import` spool has one MLflow call per line, as MlflowTracker writes them; "
               "fix or delete that line and import again (nothing was uploaded)")
     try:
-        lines = path.read_text().splitlines()
+        lines = appendlog.complete_lines(path)
     except FileNotFoundError:
         raise RunFileError(f"{path}: not found; pass the spool named when MLflow was unreachable") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -414,7 +428,20 @@ def read_spool(path: Path) -> list[SpoolRecord]:
         except ValidationError as err:
             why = "not JSON" if any(e["type"] == "json_invalid" for e in err.errors()) else f"malformed ({_problem(err)})"
             raise RunFileError(f"{path}:{number}: {why}; {remedy}") from None
+        rec = records[-1]
+        if rec.kind == "artifact" and not _under(Path(rec.path), spool_folder(path)):
+            raise RunFileError(f"{path}:{number}: names {rec.path}, outside {spool_folder(path)}, the folder this "
+                               "spool belongs to; draftlab uploads only that folder's files: delete that line and "
+                               "import again (nothing was uploaded)")
     return records
+
+
+def _under(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 class RunDir(_Folder):
@@ -440,7 +467,10 @@ class RunDir(_Folder):
     step_metrics_path = _path("metrics.jsonl", "rank 0's train/* metrics, one JSON line a global step (train_metrics)")
 
     def lock_path(self, node_rank: int = 0) -> Path:
-        return self.path / (".lock" if node_rank == 0 else f".lock-node{node_rank}")
+        """Beside the folder, not in it (draftlab.folder_lock): a folder set aside keeps no lock."""
+        from draftlab.folder_lock import lock_path
+
+        return lock_path(self.path, "" if node_rank == 0 else f"-node{node_rank}")
 
     def node_dir(self, node_rank: int = 0) -> Path:
         """Where one node's launcher keeps what only that host can act on (its ranks' pids, in

@@ -234,6 +234,7 @@ def test_steps_under_max_steps_follows_the_trainer_loop():
     lambda tmp: compat.metric_flattener(),
     lambda tmp: compat.before_checkpoint(lambda: None),
     lambda tmp: sampler.sampler_class(),
+    lambda tmp: compat.around_checkpoint(lambda save, trainer, epoch: save()),
 ])  # fmt: skip
 def test_every_observer_refuses_another_speculators_version(monkeypatch, tmp_path, call):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0")
@@ -319,3 +320,36 @@ def test_the_launcher_loads_speculators_sampler_and_vocab_mapping_without_the_pa
     a = pinned._standalone("train.vocab_mapping").build_vocab_mappings_from_distribution(freq, 4, 8)
     b = vocab_mapping.build_vocab_mappings_from_distribution(freq, 4, 8)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_speculators_own_save_is_written_aside_and_renamed_whole(monkeypatch, tmp_path):
+    """The real `Trainer.maybe_save_checkpoint` and checkpointer, through `around_checkpoint`:
+    every file of the save (weights, optimizer, scheduler, training_state.json, the epoch link)
+    lands under the root the checkpointer has when it runs, so draftlab's scratch root works."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+    from speculators.train.trainer import Trainer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftlab.training import checkpoint as ck
+
+    monkeypatch.setattr(Trainer, "maybe_save_checkpoint", Trainer.maybe_save_checkpoint)  # restored after
+    compat.around_checkpoint(ck.atomic_save)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    trainer = Trainer.__new__(Trainer)
+    trainer.config = SimpleNamespace(save_best=False, checkpoint_freq=0.5)
+    trainer.checkpointer = SingleGPUCheckpointer(tmp_path / "checkpoints")
+    trainer.model, trainer.optimizers, trainer.schedulers = model, [optimizer], []
+    trainer.is_distributed, trainer.global_step = False, 7
+    trainer.maybe_save_checkpoint(0, local_step=3)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["0", "epoch0_step3"]
+    assert ck.problem(root / "0") is None and json.loads((root / "0" / "training_state.json").read_text()) == \
+        {"epoch": 0, "local_step": 3, "global_step": 7}
+    assert {"model.safetensors", "optimizer_state_dict.pt", "config.json", ck.MARKER} <= \
+        {p.name for p in (root / "0").iterdir()}

@@ -4,6 +4,7 @@ exits with that error's code (2 for bad input or a busy host, 1 for work that ra
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -51,7 +52,7 @@ def test_a_bug_is_not_dressed_as_a_user_error(workdir, monkeypatch):
 
 def test_a_second_launcher_on_one_run_folder_is_told_the_folder_is_busy(tmp_path):
     with exclusive(tmp_path):
-        with pytest.raises(HostError, match=r"another `draftlab train` is writing this folder") as err:
+        with pytest.raises(HostError, match=rf"another `draftlab train` \(pid {os.getpid()} on .+\) is writing this folder") as err:
             with exclusive(tmp_path):
                 pass
     assert isinstance(err.value, UserError) and not isinstance(err.value, ParamsError), "no params key is wrong"

@@ -50,9 +50,11 @@ def test_each_node_has_its_own_lock_launch_and_pid_folders(tmp_path):
     from draftlab.rundir import RunDir
 
     rd = RunDir(tmp_path)
-    assert (rd.lock_path(0).name, rd.launch_file(0).path.name, rd.node_dir(0)) == (".lock", "launch.json", tmp_path)
+    name = tmp_path.name
+    assert (rd.lock_path(0).name, rd.launch_file(0).path.name, rd.node_dir(0)) == (f".{name}.lock", "launch.json", tmp_path)
     assert (rd.lock_path(1).name, rd.launch_file(1).path.name, rd.node_dir(1)) == \
-        (".lock-node1", "launch-node1.json", tmp_path / "node1")
+        (f".{name}.lock-node1", "launch-node1.json", tmp_path / "node1")
+    assert rd.lock_path(0).parent == rd.lock_path(1).parent == tmp_path.parent, "beside the folder: never moved with it"
 
 
 def test_node_1_can_hold_its_lock_while_node_0_takes_its_own(tmp_path):

@@ -132,9 +132,9 @@ def test_a_hand_edited_manifest_with_null_layer_ids_is_refused_on_read_in_one_li
 
 def test_lock_and_launch_files_are_per_node_with_node_zero_the_single_node_names(tmp_path):
     rd = RunDir(tmp_path)
-    assert rd.lock_path().name == ".lock" and rd.launch_file().path.name == "launch.json"
+    assert rd.lock_path().name == f".{rd.path.name}.lock" and rd.launch_file().path.name == "launch.json"
     names = {rd.lock_path(1).name, rd.launch_file(1).path.name, rd.lock_path(2).name, rd.launch_file(2).path.name}
-    assert len(names) == 4 and not names & {".lock", "launch.json"}
+    assert len(names) == 4 and not names & {f".{rd.path.name}.lock", "launch.json"}
 
 
 def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_them(tmp_path):
@@ -182,3 +182,38 @@ def test_the_cli_answers_a_torn_train_record_with_one_line_and_exit_2(tmp_path, 
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "train.json: partial or not JSON" in lines[0] and "dvc repro train" in lines[0]
+
+
+def test_a_spool_torn_by_a_kill_keeps_every_whole_record_and_takes_new_ones(tmp_path):
+    from draftlab.rundir import append_spool, read_spool
+
+    spool = tmp_path / "run" / "tracking-spool.jsonl"
+    append_spool(spool, {"run_id": "r", "kind": "metrics", "metrics": {"train/loss": 2.0}, "step": 0, "timestamp": 1})
+    with open(spool, "a") as f:
+        f.write('{"run_id": "r", "kind": "metrics", "metr')  # a kill or a full disk mid-line
+    assert [r.step for r in read_spool(spool)] == [0], "the torn line is a record never made, not a bad spool"
+    append_spool(spool, {"run_id": "r", "kind": "metrics", "metrics": {"train/loss": 1.0}, "step": 1, "timestamp": 2})
+    assert [r.step for r in read_spool(spool)] == [0, 1] and len(spool.read_text().splitlines()) == 2
+
+
+def test_a_spool_line_naming_a_file_outside_its_folder_is_refused_and_nothing_uploaded(tmp_path):
+    from draftlab.rundir import append_spool, read_spool, spool_folder
+
+    run = tmp_path / "runs" / "train"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "accounting.json").write_text("{}")
+    secret = tmp_path / "home" / ".ssh" / "id_rsa"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("key")
+    (run / "checkpoints" / "link").symlink_to(secret)  # inside by name, outside once resolved
+    spool = run / "tracking-spool.jsonl"
+    append_spool(spool, {"run_id": "r", "kind": "artifact", "path": str(run / "accounting.json")})
+    assert len(read_spool(spool)) == 1, "the run folder's own files are uploaded"
+    for bad in (secret, run / "checkpoints" / "link"):
+        append_spool(spool, {"run_id": "r", "kind": "artifact", "path": str(bad)})
+        with pytest.raises(RunFileError, match=rf"tracking-spool.jsonl:2: names .*, outside {run}, the folder this "
+                                               r"spool belongs to;.*\(nothing was uploaded\)"):
+            read_spool(spool)
+        spool.write_text(spool.read_text().splitlines()[0] + "\n")
+    beside = tmp_path / "reports"
+    assert spool_folder(tmp_path / ".reports.tracking-spool.jsonl") == beside and spool_folder(spool) == run

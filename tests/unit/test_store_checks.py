@@ -69,3 +69,28 @@ def test_bit_rot_a_reader_recorded_is_rehashed_and_redone_by_extract(tmp_path):
     assert len(bad) == 1 and "hs_1.safetensors: corrupt" in bad[0]
     assert set(journal.done) == {0} and set(store.Journal.open(work, "key").done) == {0}, "redone after a kill too"
     assert store.recorded_bad(work) == {}
+
+
+def test_a_journal_torn_mid_line_is_trimmed_and_keeps_the_records_after_a_rerun(tmp_path):
+    from draftlab.store.layout import Journal
+
+    rec = {"index": 0, "name": "hs_0.safetensors", "bytes": 1, "sha256": "0", "tokens": 1}
+    j = Journal.open(tmp_path, "k")
+    j.record([rec])
+    with open(j.path, "a") as f:
+        f.write('{"files": [{"index": 1, "na')  # a kill or a full disk mid-append
+    j = Journal.open(tmp_path, "k")  # the rerun: trimmed, so its records follow a whole line
+    assert set(j.done) == {0}
+    j.record([{**rec, "index": 1, "name": "hs_1.safetensors"}])
+    j.record([{**rec, "index": 2, "name": "hs_2.safetensors"}])
+    assert set(Journal.open(tmp_path, "k").done) == {0, 1, 2}, "no record after the torn line is lost"
+    assert len(j.path.read_text().splitlines()) == 4
+
+
+def test_a_journal_whose_header_was_torn_starts_afresh(tmp_path):
+    from draftlab.rundir import StoreDir
+    from draftlab.store.layout import Journal
+
+    StoreDir(tmp_path).journal_path.write_text('{"ke')
+    assert Journal.open(tmp_path, "k").done == {}
+    assert StoreDir(tmp_path).journal_path.read_text() == '{"key": "k"}\n'

@@ -222,7 +222,7 @@ def test_a_live_launcher_is_left_alone(tmp_path):
     RunDir(tmp_path).launch_file().write(Launch(pgid=_dead_group()))
     console, out = _console()
     with launch.exclusive(tmp_path):  # what a running `draftlab train` holds
-        launch.stop_orphans(tmp_path, console)
+        launch.stop_orphans(tmp_path, console)  # another launcher, before it has the lock
     assert RunDir(tmp_path).launch_file().exists() and out.getvalue() == ""
 
 

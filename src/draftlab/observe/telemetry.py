@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab import appendlog
 from draftlab.rundir import RunDir
 
 # ------------------------------------------------------------------ sampling
@@ -264,16 +265,15 @@ class StepProfileRecorder(logging.Handler):
         rec.update({k: profile[k] for k in self.KEYS if k in profile})
         # opened per record: speculators' dictConfig closes every handler that exists when it
         # configures logging, which is after this one is made
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        appendlog.append(self.path, rec)  # a torn last line (kill, full disk) is trimmed first
 
 
 def read_step_records(run_dir: Path) -> list[dict]:
     out = []
     for path in RunDir(run_dir).profile_files():
-        for line in path.read_text().splitlines():
+        for line in appendlog.complete_lines(path):
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
-                continue  # a torn last line from a kill
+                continue  # a line torn by an older draftlab
     return out

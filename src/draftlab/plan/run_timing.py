@@ -57,12 +57,6 @@ def priors(params: Params, manifest_sha: str, device: str) -> dict:
     return out
 
 
-def epoch_end_steps(checkpoints: Path) -> dict[int, int]:
-    """Global step at the end of each epoch, from the epoch checkpoints' training state."""
-    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
-    return {s["epoch"]: s["global_step"] for s in states if s.get("local_step", 0) == 0}
-
-
 def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ended_at: float, tracker) -> dict:
     """costmodel.step_timing of this run from rank 0's step records, logged as timing/* (what
     `draftlab plan` and the sweep read back as a cost-model point)."""

@@ -120,7 +120,7 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     check_weights(weights, target_cfg, manifest, source=str(checkpoint))
     weights = {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for name, t in weights.items()}
     command = serve_command(serving, str(out_dir), k)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, record="export.json") as tmp:  # the record marks an older draftlab's folder
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
         if (checkpoint / "config.py").exists():  # `auto_map` in config.json names it

@@ -18,6 +18,9 @@ Where: the store is written and kept in `store.work_dir(out)` (not a DVC output:
 its output before the stage runs), and published to `out`, the DVC output, as hardlinks of the
 same files — no byte is copied, and DVC's cache then links the same inodes.
 
+One extraction per store (draftlab.folder_lock, `data/.hidden_states.lock`): a second is refused
+before it touches anything.
+
 Refusals first (`check`: layer ids against the target's config.json, before any weight is
 loaded or store moved); a store of other params is set aside under its key and brought back
 when the params return; journaled files that fail verification are re-extracted, and only they
@@ -209,6 +212,28 @@ def drop_bad_files(out_dir: Path, journal: store.Journal, console, published: Pa
 
 def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None,
         checked: Checked | None = None) -> ExtractResult:
+    """One extraction per store: its lock (beside `out_dir`, draftlab.folder_lock) is taken before
+    the store, its work folder or their temporary files are moved, written or deleted; a second
+    extract is refused in one line naming the first one's pid and host."""
+    import errno
+
+    from draftlab import folder_lock
+
+    with folder_lock.hold(out_dir, "draftlab extract", reentrant=True):
+        try:
+            return _extract(params, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir, tracker=tracker,
+                            checked=checked)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # every batch the journal holds is kept; a torn file or journal line is dropped on the rerun
+            raise HostError(f"extract: the disk of {out_dir} filled up ({err.filename or 'a store file'}); the "
+                            "batches already journaled are kept: free space, then rerun `draftlab extract` "
+                            "to resume") from None
+
+
+def _extract(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, tracker=None,
+             checked: Checked | None = None) -> ExtractResult:
     from datasets import load_from_disk
     from rich.progress import Progress, TextColumn
 

@@ -235,7 +235,7 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
         # GPU bf16 and CPU regenerations differ token by token: the record says which this is
         regenerate_compute=placement.record() if placement else None,
         wall_clock_s=round(time.perf_counter() - started, 2))
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, record="prepare.json") as tmp:  # the record marks an older draftlab's folder
         ds.save_to_disk(str(tmp))
         save_token_frequency_distribution(ds, tmp / "token_freq.pt")
         prepare_record(tmp).write(summary)

@@ -24,6 +24,7 @@ from draftlab.plan import accounting as acc
 from draftlab.plan import run_timing
 from draftlab.rundir import AccountingCheck, AccountingRecord, Command, Launch, RankPlan, RunDir, RunState, TrainRecord
 from draftlab.store import layout as store
+from draftlab.training import checkpoint as checkpoint_files
 from draftlab.training import launch
 from draftlab.training.job import (
     TrainingFailed,
@@ -145,16 +146,18 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     a, step_tokens = plan(params, data_dir)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if out_dir.exists():
-        launch.stop_orphans(out_dir, console)
-        state = RunDir(out_dir).run.read_or_none()
-        if params.train.nnodes > 1 and state is not None and state.key != key:
-            from draftlab.training.nodes import refuse_if_nodes_run
-
-            refuse_if_nodes_run(out_dir, params.train.nnodes)  # before the folder is set aside
-        _set_aside_if_stale(out_dir, key, console)
     rd = RunDir(out_dir)
-    with launch.exclusive(out_dir):
+    with launch.exclusive(out_dir):  # beside the folder: taken before anything in it is moved or written
+        if out_dir.exists():
+            launch.stop_orphans(out_dir, console, locked=True)
+            state = RunDir(out_dir).run.read_or_none()
+            if params.train.nnodes > 1 and state is not None and state.key != key:
+                from draftlab.training.nodes import refuse_if_nodes_run
+
+                refuse_if_nodes_run(out_dir, params.train.nnodes)  # before the folder is set aside
+            _set_aside_if_stale(out_dir, key, console)
+        out_dir.mkdir(exist_ok=True)
+        checkpoint_files.set_aside_torn(rd.checkpoints, console)  # speculators resumes the newest complete one
         console.print(accounting_table(a, params))
         run_id, resumed = _open_run(out_dir, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
@@ -237,7 +240,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
         observed_steps = last_global_step(rd.checkpoints)
         problems = acc.check_observed(a, observed_samples(out_dir), observed_steps or 0,
-                                      run_timing.epoch_end_steps(rd.checkpoints))
+                                      checkpoint_files.epoch_end_steps(rd.checkpoints))
         rd.accounting_check.write(AccountingCheck(problems=problems, observed_steps=observed_steps))
         tracker.log_artifact(rd.accounting.path)
         tracker.log_artifact(rd.accounting_check.path)
@@ -245,8 +248,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             tracker.end("FAILED")
             _say_spool(rd, console)
             raise TrainingFailed("train: accounting mismatch: " + "; ".join(problems))
-        best = rd.checkpoints / "checkpoint_best"
-        checkpoint = best.resolve() if best.exists() else max(rd.checkpoints.glob("[0-9]*"), key=lambda p: int(p.name))
+        checkpoint = checkpoint_files.newest_complete(rd.checkpoints)
+        if checkpoint is None:
+            tracker.end("FAILED")
+            raise TrainingFailed(f"train: no complete checkpoint in {rd.checkpoints}; rerun `draftlab train`")
         tracker.set_tags({"draftlab.checkpoint": str(checkpoint), "draftlab.accounting": "verified"})
         for f in ("config.json", "model.safetensors"):
             tracker.log_artifact(checkpoint / f, "checkpoint")

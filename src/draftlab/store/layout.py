@@ -101,25 +101,37 @@ class Journal:
 
     @classmethod
     def open(cls, store_dir: Path, key: str) -> Journal:
+        """A partial last line (a kill or a full disk mid-append) is trimmed first, so the next
+        record follows a whole line; a record line that does not parse is skipped, never the
+        records after it."""
+        from draftlab import appendlog
+
         path = StoreDir(store_dir).journal_path
         done: dict[int, dict] = {}
         if path.exists():
-            lines = path.read_text().splitlines()
-            header = json.loads(lines[0]) if lines else {}
+            _own(path)
+            appendlog.trim_partial_line(path)
+            lines = appendlog.complete_lines(path)
+        else:
+            lines = []
+        if lines:
+            try:
+                header = json.loads(lines[0])
+            except json.JSONDecodeError:
+                header = {}
             if header.get("key") != key:
                 raise StaleStoreError(header.get("key"))
             for line in lines[1:]:
                 try:
                     for rec in json.loads(line)["files"]:
                         done[rec["index"]] = rec
-                except (json.JSONDecodeError, KeyError):
-                    break  # a torn last line from a kill: everything after it is redone
-        else:
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line torn by an older draftlab: its files are redone, later ones kept
+        else:  # new, or only a torn header: nothing was recorded
+            from draftlab.util import write_bytes_atomic
+
             store_dir.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(json.dumps({"key": key}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            write_bytes_atomic(path, (json.dumps({"key": key}) + "\n").encode())
         return cls(path, key, done)
 
     def forget(self, indices: set[int]) -> None:
@@ -132,11 +144,10 @@ class Journal:
         write_bytes_atomic(self.path, ("\n".join(lines) + "\n").encode())
 
     def record(self, files: list[dict]) -> None:
+        from draftlab import appendlog
+
         _own(self.path)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"files": files}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        appendlog.append(self.path, {"files": files}, sync=True)
         for rec in files:
             self.done[rec["index"]] = rec
 
@@ -230,8 +241,8 @@ def journal_stamps(store_dir: Path) -> dict[str, int]:
         for line in path.read_text().splitlines()[1:]:
             try:
                 stamps.update({r["name"]: r["mtime_ns"] for r in json.loads(line)["files"] if "mtime_ns" in r})
-            except (json.JSONDecodeError, KeyError):
-                break
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line: the next one still counts
     return stamps
 
 

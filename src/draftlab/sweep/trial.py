@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draftlab.errors import UserError
     from draftlab.params import load_params
     from draftlab.stages import evaluate, train
-    from draftlab.tracking import MlflowTracker, fail_fast_defaults
+    from draftlab.tracking import MlflowTracker, fail_fast_defaults, spool_beside
 
     fail_fast_defaults()
     out = Path(a.out)
@@ -84,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tags["mlflow.parentRunId"] = a.parent_run_id
         tr = train.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                        out_dir=trial.train.path, run_tags=tags, started_at=started)
-        tracker = MlflowTracker(tr.run_id, spool=trial.train.spool_path)  # with the training's own records
+        # beside the reports evaluate logs: a spool uploads only files of its own folder (rundir.read_spool)
+        tracker = MlflowTracker(tr.run_id, spool=spool_beside(trial.reports))
         # a calibration is evaluated too: its evaluate time is part of every trial's cost
         ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                           train_dir=trial.train.path, out_dir=trial.reports, tracker=tracker)

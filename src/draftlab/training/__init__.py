@@ -9,6 +9,8 @@
     metrics    rank 0's per-step `metrics.jsonl`, evaluate's loss curves
     compat     the trainer's internals draftlab patches (CPU) or observes, behind one version check
                (the dataset's reader is `store.hidden_states`'; the packing sampler `plan.sampler`'s)
+    checkpoint checkpoints visible only complete (written aside, synced, renamed), a free-space
+               check before each save, the newest complete one for resume and export
     nodes      a node other than 0 joining node 0's run
 
 May import: the shared core, `plan`, `store.layout`, `store.capture` (fingerprints),

@@ -24,13 +24,14 @@ How a rank reads hidden states (the store's files checked against its manifest, 
 dequantized) is not here: `draftlab.store.hidden_states` owns it, behind the same version check
 (`draftlab.pinned`).
 
-Four observers reach into speculators' internals, so they live here too, each behind the
+Five observers reach into speculators' internals, so they live here too, each behind the
 version check: :func:`record_sampler_batches` (what the packing sampler hands each rank per
 epoch, for the sharding check), :func:`metric_flattener` (the trainer's own ``_flatten_dict``
 for its nested metric records), :func:`before_checkpoint` (a hook on
-``Trainer.maybe_save_checkpoint``) and :func:`refuse_non_finite_checkpoint` (the watch's guard
-on the same method); and :func:`eagle3_collate`, the trainer's own batch assembly, which
-evaluate uses to see exactly the trainer's validation batches. The packing sampler itself is
+``Trainer.maybe_save_checkpoint``), :func:`around_checkpoint` (the same method, for
+draftlab.training.checkpoint's atomic saves) and :func:`refuse_non_finite_checkpoint` (the
+watch's guard on the same method); and :func:`eagle3_collate`, the trainer's own batch assembly,
+which evaluate uses to see exactly the trainer's validation batches. The packing sampler itself is
 `draftlab.plan.sampler`'s (the planner needs it without speculators' import).
 
 Two more CPU limits are flags, not patches: FlexAttention has no CPU backward
@@ -228,8 +229,9 @@ def record_sampler_batches(out: Path) -> None:
         batches = self._generate_batches(self.epoch)
         if self._draftlab_split == "train":
             ids = [int(i) for b in batches for i in b]
-            with open(out, "a") as f:
-                f.write(json.dumps({"epoch": self.epoch, "rank": self.rank, "steps": len(batches), "ids": ids}) + "\n")
+            from draftlab import appendlog  # a torn last line (kill, full disk) is trimmed first
+
+            appendlog.append(out, {"epoch": self.epoch, "rank": self.rank, "steps": len(batches), "ids": ids})
         return stock_iter(self)
 
     Sampler.__init__, Sampler.__iter__ = __init__, __iter__
@@ -255,6 +257,29 @@ def before_checkpoint(hook: Callable[[], None]) -> None:
     def maybe_save_checkpoint(self, *args, **kwargs):
         hook()
         return stock(self, *args, **kwargs)
+
+    Trainer.maybe_save_checkpoint = maybe_save_checkpoint
+
+
+def around_checkpoint(around: Callable) -> None:
+    """Run every ``Trainer.maybe_save_checkpoint`` that will write as ``around(save, trainer, epoch)``:
+    ``save()`` is the stock call, which writes ``<epoch>/`` (model, optimizer, scheduler,
+    training_state.json, its ``epoch<k>_*`` link) under ``trainer.checkpointer.path`` as it is
+    when ``save()`` runs (draftlab.training.checkpoint points it at a scratch root). A call the
+    stock method would skip (``checkpoint_freq`` ≥ 1 between saves, ``save_best``) goes straight
+    to it."""
+    check_speculators_version()
+    from speculators.train.trainer import Trainer
+
+    stock = Trainer.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, epoch, *args, **kwargs):
+        c = self.config
+        skipped = epoch != "interrupted" and (c.save_best or (
+            c.checkpoint_freq >= 1 and isinstance(epoch, int) and epoch != 0 and (epoch + 1) % c.checkpoint_freq != 0))
+        if skipped:
+            return stock(self, epoch, *args, **kwargs)
+        return around(lambda: stock(self, epoch, *args, **kwargs), self, epoch)
 
     Trainer.maybe_save_checkpoint = maybe_save_checkpoint
 

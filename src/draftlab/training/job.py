@@ -227,9 +227,11 @@ def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path | None =
 def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
     """What the ranks' samplers handed out, per (epoch, rank). After a mid-epoch resume the
     sampler hands out only the remaining batches, so records of one epoch are merged."""
+    from draftlab import appendlog
+
     seen: dict[int, dict[int, list[int]]] = {}
     for path in sorted(RunDir(out_dir).samples_dir.glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
+        for line in appendlog.complete_lines(path):  # a partial last line is a record never made
             rec = json.loads(line)
             ids = seen.setdefault(rec["epoch"], {}).setdefault(rec["rank"], [])
             ids.extend(i for i in rec["ids"] if i not in set(ids))
@@ -237,8 +239,10 @@ def observed_samples(out_dir: Path) -> dict[int, dict[int, list[int]]]:
 
 
 def last_global_step(checkpoints: Path) -> int | None:
-    states = [json.loads(p.read_text()) for p in checkpoints.glob("[0-9]*/training_state.json")]
-    return max((s["global_step"] for s in states), default=None)
+    """Where a resume starts: the newest complete checkpoint's global step (a torn one never counts)."""
+    from draftlab.training import checkpoint
+
+    return checkpoint.last_global_step(checkpoints)
 
 
 def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], HiddenStateSource, str]:

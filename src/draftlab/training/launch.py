@@ -8,7 +8,6 @@ with their parent (draftlab.procs), and `stop_orphans` stops what is left."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
@@ -16,8 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from draftlab import procs
-from draftlab.errors import HostError
+from draftlab import folder_lock, procs
 from draftlab.params import Params
 from draftlab.rundir import RunDir
 
@@ -40,41 +38,23 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
 
 @contextmanager
 def exclusive(out_dir: Path, node_rank: int = 0):
-    """One training per run folder (per node): a second launcher is refused, not interleaved."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(RunDir(out_dir).lock_path(node_rank), os.O_CREAT | os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise HostError(f"{out_dir}: another `draftlab train` is writing this folder; wait for it or stop it") from None
-    try:
+    """One training per run folder (per node): a second launcher is refused in one line naming
+    the first one's pid and host, not interleaved. The lock lies beside the folder
+    (draftlab.folder_lock): take it before anything in the folder is moved, written or deleted."""
+    with folder_lock.hold(out_dir, "draftlab train", "" if node_rank == 0 else f"-node{node_rank}"):
         yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def lock_held(out_dir: Path, node_rank: int = 0) -> bool:
-    lock = RunDir(out_dir).lock_path(node_rank)
-    if not lock.exists():
-        return False
-    fd = os.open(lock, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return folder_lock.held(out_dir, "" if node_rank == 0 else f"-node{node_rank}")
 
 
-def stop_orphans(out_dir: Path, console, node_rank: int = 0) -> None:
+def stop_orphans(out_dir: Path, console, node_rank: int = 0, *, locked: bool = False) -> None:
     """Ranks of a launcher that was killed keep running (their own process group): stop them.
     A live launcher (it holds the folder's lock) is left alone: `exclusive` refuses the second.
+    `locked`: the caller holds the lock (`exclusive`) itself, so no other launcher is alive.
     Per node: only this node's ranks (`node_rank`'s lock, launch file and pids), never another's."""
-    if lock_held(out_dir, node_rank):
+    if not locked and lock_held(out_dir, node_rank):
         return
     if ranks := procs.kill_recorded(RunDir(out_dir).node_dir(node_rank)):  # own sessions: by pid; this node's
         console.print(f"[yellow]train[/]: stopped orphaned ranks {ranks} of a killed run")

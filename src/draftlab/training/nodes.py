@@ -8,7 +8,7 @@ the one that logs metrics, may run on any node):
   node 0     the owner: sets a stale folder aside, opens (or resumes) the one MLflow run, writes
              run.json, plan.json, accounting.json and the vocab mappings, hosts the rendezvous,
              and at the end checks the accounting against every node's sample records
-  node k>0   `join` here: the same checks, then only its own files: `.lock-node<k>`,
+  node k>0   `join` here: the same checks, then only its own files: `.<run>.lock-node<k>` beside the folder,
              `launch-node<k>.json`, its ranks' pids under `node<k>/pids/`; no MLflow run
 
 A kill -9 of any node's launcher takes its torchrun and ranks with it (procs: parent-death
@@ -101,9 +101,9 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
     layer_ids, source, device = tr.preflight(params, data_dir, store_dir, console)
     a, _ = tr.plan(params, data_dir)
     rd = RunDir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    launch.stop_orphans(out_dir, console, node)
-    with launch.exclusive(out_dir, node):
+    with launch.exclusive(out_dir, node):  # before anything of this node's in the folder is touched
+        out_dir.mkdir(parents=True, exist_ok=True)
+        launch.stop_orphans(out_dir, console, node, locked=True)
         console.print(f"[bold]train[/]: node {node} of {t.nnodes}: {t.gpus} rank(s) joining the rendezvous at "
                       f"{t.rdzv_endpoint}; node 0 owns the MLflow run and checks the accounting "
                       f"(world size {a.world_size}, {a.total_steps} steps)")

@@ -335,6 +335,9 @@ def main(argv: list[str]) -> None:
     node = int(os.environ.get("DRAFTLAB_NODE_RANK", "0"))  # train.node_rank: c10d's RANK order ignores it
     handlers = []
     plan = RunDir(run_dir).plan.read() if run_dir is not None else None
+    from draftlab.training import checkpoint
+
+    checkpoint.install()  # every checkpoint written aside and renamed in whole, after a free-space check
     if run_dir is not None:
         procs.record_self(RunDir(run_dir).node_dir(node), f"rank{rank}")  # stopped by this node's launcher
         from draftlab.observe.telemetry import StepProfileRecorder
@@ -376,6 +379,14 @@ def main(argv: list[str]) -> None:
         if run_dir is not None:
             RunDir(run_dir).failure.write(Failure(reason="bad hidden-state file", message=msg))
         print(f"draftlab: {msg}", file=sys.stderr)
+        sys.exit(4)
+    except checkpoint.CheckpointSpaceError as err:
+        if run_dir is not None and rank == 0:  # the rank that checked the disk says why; the others follow it
+            try:
+                RunDir(run_dir).failure.write(Failure(reason="disk full", message=str(err)))
+            except OSError:  # the disk is full: the launcher names torchrun's exit, the rank's line is below
+                pass
+        print(f"draftlab: {err}", file=sys.stderr)
         sys.exit(4)
     finally:
         for h in handlers:
