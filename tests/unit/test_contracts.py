@@ -157,7 +157,7 @@ def run_folder_names() -> set[str]:
 
 def test_run_folder_file_names_are_spelled_in_rundir_alone():
     names = run_folder_names()
-    assert {"bottleneck-live.json", "failure.json", "run.json", "manifest.json", ".lock"} <= names
+    assert {"bottleneck-live.json", "failure.json", "run.json", "manifest.json", ".r.lock"} <= names
     broken = _spelled(names, SRC / "rundir.py", "a run-folder file")
     assert not broken, "\n".join(broken)
 
