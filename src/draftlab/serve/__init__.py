@@ -3,6 +3,7 @@
     specdec       greedy speculative decoding of held-out prompts: measured acceptance length
     serving       a `vllm serve` process's lifetime and its Prometheus counters
     draft_export  the checkpoint rewritten as a folder vLLM serves (verifier path, 3 aux layers)
+    vllm_env      which python runs vLLM on this host (.venv-vllm, the GPU image, or none and why)
 
 May import: the shared core (params, models, procs, rundir, errors, util, generation),
 `store.layout`. Never a stage.
