@@ -37,8 +37,13 @@ class TinyTarget(Section):
     num_layers: int = Field(
         8, ge=7, description="Decoder layers (≥ 7: the default aux ids [2, L//2, L-3] collide below)."
     )
-    num_heads: PositiveInt = Field(4, description="Attention heads.")
-    num_kv_heads: PositiveInt = Field(2, description="Key/value heads (GQA).")
+    num_heads: PositiveInt = Field(
+        2,
+        description="Attention heads. The head size hidden_size / num_heads (32 by default) must be one "
+        "vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) for the "
+        "suite's vLLM to serve the target.",
+    )
+    num_kv_heads: PositiveInt = Field(1, description="Key/value heads (GQA).")
     intermediate_size: PositiveInt = Field(192, description="MLP width.")
     max_position_embeddings: PositiveInt = Field(1024, description="Longest sequence the target accepts.")
     pretrain_steps: int = Field(
