@@ -2,7 +2,8 @@
 # Install draftlab and its pinned CPU environment into a fresh virtual environment (.venv).
 #
 #   scripts/install.sh            # runtime only
-#   scripts/install.sh --test     # plus what the test suite needs
+#   scripts/install.sh --test     # plus what the test suite needs, and the real vLLM it serves
+#                                 # drafts with, in .venv-vllm (scripts/install-vllm.sh)
 #
 # The CPU lock (requirements/cpu.txt, made by scripts/lock.sh) pins every package with its sha256
 # and is installed with --require-hashes and --no-deps (and so is requirements/test.txt, the suite's
@@ -48,3 +49,6 @@ for stray in ("torchvision", "torchaudio"):
         pass
 print(f"installed: torch {torch.__version__}, transformers {transformers.__version__}, draftlab into {sys.prefix}")
 PY
+if [ "${1:-}" = "--test" ]; then
+  scripts/install-vllm.sh
+fi

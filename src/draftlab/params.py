@@ -65,8 +65,13 @@ class TinyTarget(Section):
     num_layers: int = Field(
         8, ge=7, description="Decoder layers (≥ 7: the default aux ids [2, L//2, L-3] collide below)."
     )
-    num_heads: PositiveInt = Field(4, description="Attention heads.")
-    num_kv_heads: PositiveInt = Field(2, description="Key/value heads (GQA).")
+    num_heads: PositiveInt = Field(
+        2,
+        description="Attention heads. The head size hidden_size / num_heads (32 by default) must be one "
+        "vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512) for the "
+        "suite's vLLM to serve the target.",
+    )
+    num_kv_heads: PositiveInt = Field(1, description="Key/value heads (GQA).")
     intermediate_size: PositiveInt = Field(192, description="MLP width.")
     max_position_embeddings: PositiveInt = Field(1024, description="Longest sequence the target accepts.")
     pretrain_steps: int = Field(
@@ -198,7 +203,9 @@ class Extract(Section):
         None, description="CUDA devices of the vLLM server draftlab starts; null = all visible."
     )
     vllm_tensor_parallel_size: PositiveInt = Field(1, description="vLLM --tensor-parallel-size of that server.")
-    vllm_port: PositiveInt = Field(8012, description="Port of the vLLM extraction server draftlab starts.")
+    vllm_port: PositiveInt | None = Field(
+        None, description="Port of the vLLM extraction server draftlab starts; null = a free port chosen at start."
+    )
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM --gpu-memory-utilization.")
     vllm_startup_timeout_s: PositiveFloat = Field(
         1800, description="Seconds to wait for the vLLM extraction server's /health."
@@ -341,14 +348,18 @@ class Evaluate(Section):
 
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="`hf`: speculative decoding here with Hugging Face models (any device); "
-        "`vllm`: serve the exported draft with vLLM and measure it (GPU hosts)."
+        "`vllm`: the same, then vLLM serves the exported draft and the target alone on the same prompts and its "
+        "figures (eval/vllm_*) are set beside draftlab's; wherever vLLM runs (the GPU image, or .venv-vllm on an "
+        "x86 CPU with AVX2: scripts/install-vllm.sh)."
     )
     num_prompts: PositiveInt = Field(16, description="Held-out (val split) prompts decoded for the measured figure.")
     max_new_tokens: PositiveInt = Field(48, description="Tokens generated per prompt.")
     num_speculative_tokens: int | None = Field(
         None, ge=1, description="Draft tokens proposed per target forward; null = train.ttt_steps."
     )
-    vllm_port: PositiveInt = Field(8011, description="Port of the vLLM server the vllm backend starts.")
+    vllm_port: PositiveInt | None = Field(
+        None, description="Port of the vLLM servers the vllm backend starts; null = a free port chosen at start."
+    )
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM --gpu-memory-utilization.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the target runs for the `hf` backend: `auto` = cuda when visible, else cpu. On cuda it "

@@ -1,6 +1,6 @@
-"""serving: the vLLM benchmark's command line, its reading of vLLM's Prometheus counters, the
-before/after arithmetic, the server lifecycle (against a fake server: this host has no GPU), and
-its refusal to run without a GPU or vLLM."""
+"""serving: the vLLM benchmark's command lines (GPU `vllm serve`, CPU api_server), its reading of
+vLLM's Prometheus counters, the before/after arithmetic, and its refusal to run without vLLM. Real
+servers are started in tests/integration/test_vllm_serving.py."""
 
 import json
 import subprocess
@@ -15,19 +15,32 @@ def _flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_serve_command_speculative_and_plain():
-    argv = serving.vllm_serve_command("org/target", "/models/draft", num_speculative_tokens=3, port=8011,
-                                      gpu_memory_utilization=0.85, speculative=True)
+def test_serve_command_speculative_and_plain_on_a_gpu_host(monkeypatch):
+    monkeypatch.setattr(serving.shutil, "which", lambda name: f"/usr/bin/{name}")
+    argv = serving.vllm_serve_command("org/target", "/models/draft", num_speculative_tokens=3,
+                                      gpu_memory_utilization=0.85, speculative=True, gpu=True)
     assert argv[:3] == ["vllm", "serve", "org/target"]
-    assert _flag(argv, "--port") == "8011" and _flag(argv, "--gpu-memory-utilization") == "0.85"
+    assert _flag(argv, "--gpu-memory-utilization") == "0.85"
+    assert "--port" not in argv and "--host" not in argv  # `running` adds them, with a free port
     served = _flag(argv, "--served-model-name")
     # one argv element, no shell quoting: exactly the JSON vLLM parses
     assert json.loads(_flag(argv, "--speculative-config")) == {
         "model": "/models/draft", "method": "eagle3", "num_speculative_tokens": 3}
-    plain = serving.vllm_serve_command("org/target", "/models/draft", num_speculative_tokens=3, port=8011,
-                                       gpu_memory_utilization=0.85, speculative=False)
+    plain = serving.vllm_serve_command("org/target", "/models/draft", num_speculative_tokens=3,
+                                       gpu_memory_utilization=0.85, speculative=False, gpu=True)
     assert "--speculative-config" not in plain and _flag(plain, "--served-model-name") == served
     assert [a for a in argv if a not in plain] == ["--speculative-config", _flag(argv, "--speculative-config")]
+
+
+def test_serve_command_on_cpu_is_the_api_server_module_eager(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTLAB_VLLM_PYTHON", "/bin/sh")  # any executable: only its path is used
+    argv = serving.vllm_serve_command("models/target", "/d", num_speculative_tokens=2,
+                                      gpu_memory_utilization=0.85, speculative=True, gpu=False, dtype="float32")
+    assert argv[:5] == ["/bin/sh", "-m", "vllm.entrypoints.openai.api_server", "--model", "models/target"]
+    assert "--enforce-eager" in argv and _flag(argv, "--dtype") == "float32"
+    assert "--gpu-memory-utilization" not in argv
+    assert serving.server_env({})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert serving.server_env({"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
 def _metrics(drafts, draft_tokens, accepted, per_pos, *, engines=("0",), model='draftlab-target'):
@@ -104,23 +117,27 @@ def test_summary_metric_names_and_speedup():
     assert m["eval/vllm_speedup"] == pytest.approx(2.0) and m["eval/vllm_output_match_frac"] == 0.5
 
 
-def test_refuses_without_gpu_or_vllm_before_starting_anything(tmp_path, monkeypatch):
+def test_refuses_without_vllm_before_starting_anything(tmp_path, monkeypatch):
     import importlib.util
 
-    import torch
+    from draftlab.serve import vllm_env
 
     def no_server(*args, **kwargs):
         raise AssertionError("a server was started")
 
     monkeypatch.setattr(subprocess, "Popen", no_server)
-    kwargs = dict(target="org/target", draft_dir=tmp_path, prompts=[[1, 2]], num_speculative_tokens=3,
-                  max_tokens=8, port=8011, gpu_memory_utilization=0.85, log_dir=tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ParamsError, match="CUDA GPU") as err:
-        serving.run_benchmark(**kwargs)
-    assert "\n" not in str(err.value) and "evaluate.backend" in str(err.value)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
+    monkeypatch.setattr(vllm_env, "VENV", tmp_path / "absent")
+    monkeypatch.setattr(vllm_env, "cpu_lacks_avx2", lambda: False)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
-    with pytest.raises(ParamsError, match="vllm package"):
+    kwargs = dict(target="org/target", draft_dir=tmp_path, prompts=[[1, 2]], num_speculative_tokens=3,
+                  max_tokens=8, gpu_memory_utilization=0.85, log_dir=tmp_path)
+    with pytest.raises(ParamsError, match="install-vllm.sh") as err:
         serving.run_benchmark(**kwargs)
+    assert "\n" not in str(err.value) and "evaluate.backend" in str(err.value)
+
+
+def test_a_free_port_is_chosen_and_answers_nothing():
+    port = serving.free_port()
+    assert 0 < port < 65536 and not serving._port_in_use(port)

@@ -1,14 +1,23 @@
-"""Serving benchmark on GPU hosts: the exported draft under vLLM, measured against the same
-server without speculation (the `vllm` backend of `draftlab evaluate`).
+"""Serving benchmark: the exported draft under vLLM, measured against the same server without
+speculation (the `vllm` backend of `draftlab evaluate`), on a GPU host or on CPU.
 
-Each server is started in turn (`vllm serve TARGET …`, in its own process group), waited for on
-`/health`, warmed up with one request, then sent the fixed prompt set one request at a time
-(OpenAI `/v1/completions`, greedy, token-id prompts). Output tokens/s is completion tokens over the
+Every vLLM server draftlab starts (`running`) listens on 127.0.0.1 on a free port chosen at start,
+requires an API key generated for it (handed to vLLM as `VLLM_API_KEY`, so it is not on the command
+line for `ps` to show), is ready only once `/v1/models` answers *with that key* (a server of
+another process on the port answers 401 and is never taken for ours), and is stopped with its
+whole process group on every exit path; a record of it (`serve.orphans`) lets the next run stop
+its engine processes after a `kill -9` of draftlab. On a host with CUDA it is `vllm serve MODEL`;
+elsewhere `python -m vllm.entrypoints.openai.api_server --model MODEL` from the python
+`serve.vllm_env` finds (the suite's `.venv-vllm`), with `--enforce-eager` and
+`VLLM_CPU_KVCACHE_SPACE`.
+
+Each server is started in turn, warmed up with one request, then sent the fixed prompt set one
+request at a time (OpenAI `/v1/completions`, greedy, token-id prompts). Output tokens/s is completion tokens over the
 wall time of those requests. Acceptance comes from vLLM's own Prometheus counters scraped from
 `/metrics` before and after the prompts (their difference, so warm-up does not count):
 mean acceptance length = 1 + Δaccepted / Δdrafts (vLLM's convention, bonus token included) and
-per-position rate k = Δaccepted_per_pos[k] / Δdrafts. It cannot run on CPU-only hosts; command
-construction, parsing and the server lifecycle are unit-tested without vLLM.
+per-position rate k = Δaccepted_per_pos[k] / Δdrafts; the counters are also read after each prompt,
+so each prompt's acceptance length is known (the spread of the figure).
 
     python -m draftlab.serve.serving --target models/target --draft models/draft --data data/prepared
 """
@@ -19,17 +28,21 @@ import contextlib
 import json
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import procs
 from draftlab.errors import HostError, UserError
 from draftlab.params import ParamsError
+from draftlab.serve import orphans, vllm_env
 
 SERVED_NAME = "draftlab-target"
 # vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py); prometheus_client exposes a
@@ -50,26 +63,48 @@ class ServingError(UserError, RuntimeError):
     exit_code = 1
 
 
-def require_gpu_and_vllm() -> None:
-    """One line when this host cannot run the vLLM backend."""
-    import importlib.util
+def on_cuda_host() -> bool:
+    from draftlab import devices
 
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ParamsError("evaluate.backend: `vllm` needs a CUDA GPU and this host has none; "
-                          "use evaluate.backend: hf here, or run on a GPU host")
-    if importlib.util.find_spec("vllm") is None:
-        raise ParamsError("evaluate.backend: `vllm` needs the vllm package, which is not installed here; "
-                          "use the GPU image, or evaluate.backend: hf")
+    return devices.cuda_count() > 0
 
 
-def vllm_serve_command(target: str, draft_dir: str | Path, *, num_speculative_tokens: int, port: int,
-                       gpu_memory_utilization: float, speculative: bool) -> list[str]:
-    """`vllm serve` for the target, with the draft as an EAGLE-3 speculator when `speculative`."""
-    cmd = ["vllm", "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
-           "--gpu-memory-utilization", str(gpu_memory_utilization), "--served-model-name", SERVED_NAME,
-           "--seed", "0"]
+def require_vllm() -> None:
+    """One line when this host has no vLLM to start (raised before anything loads)."""
+    try:
+        vllm_env.vllm_python()
+    except vllm_env.VllmMissing as err:
+        raise ParamsError(f"evaluate.backend: `vllm` needs vLLM here: {err}; or use evaluate.backend: hf") from None
+
+
+def server_prefix(model: str, *, gpu: bool | None = None) -> list[str]:
+    """The command that serves `model` (arguments follow): `vllm serve` on a CUDA host with the
+    `vllm` script, else vLLM's api_server module with the python `vllm_env` finds, on CPU eager."""
+    gpu = on_cuda_host() if gpu is None else gpu
+    if gpu and shutil.which("vllm"):
+        return ["vllm", "serve", str(model)]
+    prefix = [*vllm_env.api_server_command(), "--model", str(model)]
+    return prefix if gpu else [*prefix, "--enforce-eager"]
+
+
+def server_env(env: dict | None = None) -> dict:
+    """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def vllm_serve_command(target: str, draft_dir: str | Path, *, num_speculative_tokens: int,
+                       gpu_memory_utilization: float, speculative: bool, gpu: bool | None = None,
+                       dtype: str | None = None) -> list[str]:
+    """vLLM serving the target, with the draft as an EAGLE-3 speculator when `speculative` (the
+    `--speculative-config` of the export's README). Host, port and key are added by `running`."""
+    gpu = on_cuda_host() if gpu is None else gpu
+    cmd = [*server_prefix(str(target), gpu=gpu), "--served-model-name", SERVED_NAME, "--seed", "0"]
+    if gpu:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if dtype:
+        cmd += ["--dtype", dtype]
     if speculative:
         spec = {"model": str(draft_dir), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -132,11 +167,21 @@ def spec_decode_delta(before: dict, after: dict) -> dict:
     return _derive(counts)
 
 
-def http_text(url: str, body: dict | None = None, timeout_s: float = 10.0) -> str:
+def http_text(url: str, body: dict | None = None, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return response.read().decode()
+
+
+def free_port() -> int:
+    """A port nothing listens on now, chosen by the kernel (127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _port_in_use(port: int) -> bool:
@@ -156,7 +201,7 @@ _group_alive = procs.group_alive
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM to the server's process group (vLLM's engine core runs in child processes), SIGKILL
-    after `grace_s`, and wait until the whole group is gone: the next server needs its GPU memory."""
+    after `grace_s`, and wait until the whole group is gone: the next server needs its memory."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -176,63 +221,128 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+@dataclass(frozen=True)
+class Server:
+    """A vLLM server draftlab started: where it listens and the key it requires."""
+
+    base_url: str
+    port: int
+    api_key: str | None
+    pid: int  # its leader, whose pid is its process group id
+
+    def get(self, path: str, timeout_s: float = 10.0) -> str:
+        return http_text(f"{self.base_url}{path}", timeout_s=timeout_s, api_key=self.api_key)
+
+    def post(self, path: str, body: dict, timeout_s: float = 600.0) -> dict:
+        return json.loads(http_text(f"{self.base_url}{path}", body, timeout_s=timeout_s, api_key=self.api_key))
+
+
+def _answers_as_ours(base: str, api_key: str | None) -> bool:
+    """Whether the server on `base` is the one started with `api_key` (its /v1/models answers
+    that key; another server refuses it with 401). Without a key, /health answering is all."""
+    try:
+        http_text(f"{base}/v1/models" if api_key else f"{base}/health", timeout_s=5, api_key=api_key)
+        return True
+    except urllib.error.HTTPError:
+        return False  # 401: another server's port; 404/5xx: not ready
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+_ADDRESS_IN_USE = "address already in use"
+
+
 @contextlib.contextmanager
-def running(command: list[str], *, port: int, log_path: Path, what: str, startup_timeout_s: float,
-            env: dict | None = None, port_key: str = "evaluate.vllm_port"):
-    """A vLLM server for the body of the `with`: started in its own process group (dying with
-    this process), waited for on /health, stopped as a whole group on every exit path. Yields
-    its base URL."""
-    if _port_in_use(port):
-        raise HostError(f"{port_key}: port {port} is already in use; stop that server or pick another port")
-    base = f"http://127.0.0.1:{port}"
+def running(command: list[str], *, log_path: Path, what: str, startup_timeout_s: float,
+            env: dict | None = None, port: int | None = None, port_key: str = "evaluate.vllm_port",
+            api_key: bool = True):
+    """A vLLM server for the body of the `with`; yields its `Server`.
+
+    `command` serves the model (`vllm_serve_command`, `server_prefix` + arguments); this adds
+    `--host 127.0.0.1 --port P` (P free, chosen now, unless `port` is given) and, with `api_key`,
+    a generated key in VLLM_API_KEY. Started in its own process group (dying with this process)
+    and recorded for `orphans`; ready once it answers as ours; stopped as a whole group on every
+    exit path. A port lost to another process between choice and bind is chosen again (3 tries)."""
+    for rec in orphans.stop_orphans():
+        from draftlab.console import console
+
+        console.print(f"[yellow]serve[/]: stopped a vLLM server ({rec['what']}, process group {rec['pgid']}, "
+                      f"port {rec['port']}) that a killed draftlab run left running")
+    if port is not None and _port_in_use(port):
+        raise HostError(f"{port_key}: port {port} is already in use; stop that server, pick another port, "
+                        "or set it to null (a free port is chosen)")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = procs.spawn(command, env=env, stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise ServingError(f"vLLM ({what}) exited with code {proc.returncode} before answering /health; "
-                                   f"log {log_path}: {_log_tail(log_path)}")
-            try:
-                http_text(f"{base}/health", timeout_s=5)
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+    key = secrets.token_urlsafe(24) if api_key else None
+    server_env_ = server_env(env)
+    if key:
+        server_env_["VLLM_API_KEY"] = key
+    for attempt in range(3):
+        chosen = port if port is not None else free_port()
+        base = f"http://127.0.0.1:{chosen}"
+        with open(log_path, "w") as log:
+            proc = procs.spawn([*command, "--host", "127.0.0.1", "--port", str(chosen)], env=server_env_,
+                               stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
+        rec_path = orphans.record(proc.pid, port=chosen, what=what, log_path=log_path)
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while not _answers_as_ours(base, key):
+                if proc.poll() is not None:
+                    break
                 if time.monotonic() > deadline:
-                    raise ServingError(f"vLLM ({what}) did not answer /health within {startup_timeout_s:.0f} s; "
-                                       f"log {log_path}") from None
+                    raise ServingError(f"vLLM ({what}) did not answer on {base} within {startup_timeout_s:.0f} s; "
+                                       f"log {log_path}")
                 time.sleep(1.0)
-        yield base
-    finally:
-        _stop(proc)
+            else:
+                yield Server(base_url=base, port=chosen, api_key=key, pid=proc.pid)
+                return
+            lost_port = _ADDRESS_IN_USE in log_path.read_text(errors="replace").lower()
+            if not (lost_port and port is None and attempt < 2):
+                raise ServingError(f"vLLM ({what}) exited with code {proc.returncode} before answering; "
+                                   f"log {log_path}: {_log_tail(log_path)}")
+        finally:
+            _stop(proc)
+            orphans.forget(rec_path)
 
 
-def benchmark_server(command: list[str], *, port: int, prompts: list, max_tokens: int, log_path: Path,
-                     speculative: bool, startup_timeout_s: float = 1800.0, request_timeout_s: float = 600.0) -> dict:
+def benchmark_server(command: list[str], *, prompts: list, max_tokens: int, log_path: Path, speculative: bool,
+                     stop_token_ids: list[int] = (), startup_timeout_s: float = 1800.0,
+                     request_timeout_s: float = 600.0, port: int | None = None) -> dict:
     """Start one server, time the prompts on it, stop it. Returns output_tokens, wall_s,
-    output_tokens_per_s, texts, and spec (the spec-decode delta, speculative servers only)."""
+    output_tokens_per_s, texts, token_ids (per prompt), and for speculative servers spec (the
+    spec-decode delta over all prompts) and per_prompt (each prompt's own delta)."""
     what = "speculative" if speculative else "plain"
-    with running(command, port=port, log_path=log_path, what=what, startup_timeout_s=startup_timeout_s) as base:
+    with running(command, log_path=log_path, what=what, startup_timeout_s=startup_timeout_s, port=port) as server:
         def complete(prompt, n):
-            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0.0}
+            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                    "stop_token_ids": list(stop_token_ids), "return_token_ids": True}
             try:
-                return json.loads(http_text(f"{base}/v1/completions", body, timeout_s=request_timeout_s))
+                return server.post("/v1/completions", body, timeout_s=request_timeout_s)
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace").strip().replace("\n", " ")[:300]
                 raise ServingError(f"vLLM ({what}) refused a completion: HTTP {err.code} {detail}") from None
 
+        def counters():
+            return parse_spec_decode_metrics(server.get("/metrics")) if speculative else None
+
         complete(prompts[0], min(8, max_tokens))  # warm-up: first-request allocations, outside the timing
-        before = parse_spec_decode_metrics(http_text(f"{base}/metrics")) if speculative else None
-        texts, output_tokens, started = [], 0, time.perf_counter()
+        texts, token_ids, per_prompt, output_tokens, wall_s = [], [], [], 0, 0.0
+        first = before = counters()
         for prompt in prompts:
+            started = time.perf_counter()
             reply = complete(prompt, max_tokens)
-            texts.append(reply["choices"][0]["text"])
+            wall_s += time.perf_counter() - started  # the scrapes between prompts are not timed
+            choice = reply["choices"][0]
+            texts.append(choice["text"])
+            token_ids.append(list(choice.get("token_ids") or []))
             output_tokens += int(reply["usage"]["completion_tokens"])
-        wall_s = time.perf_counter() - started
-        spec = spec_decode_delta(before, parse_spec_decode_metrics(http_text(f"{base}/metrics"))) if speculative else None
+            if speculative:
+                after = counters()
+                per_prompt.append(spec_decode_delta(before, after))
+                before = after
+        spec = spec_decode_delta(first, before) if speculative else None
     return {"output_tokens": output_tokens, "wall_s": wall_s, "output_tokens_per_s": output_tokens / max(wall_s, 1e-9),
-            "texts": texts, "spec": spec}
+            "texts": texts, "token_ids": token_ids, "spec": spec, "per_prompt": per_prompt}
 
 
 def summarize(spec_run: dict, plain_run: dict, num_speculative_tokens: int) -> dict:
@@ -246,7 +356,7 @@ def summarize(spec_run: dict, plain_run: dict, num_speculative_tokens: int) -> d
         "eval/vllm_drafts": spec["num_drafts"],
         "eval/vllm_num_speculative_tokens": num_speculative_tokens,
         "eval/vllm_prompts": len(spec_run["texts"]),
-        # greedy speculation is lossless up to GPU numerics: a low figure points at a wrong draft setup
+        # greedy speculation is lossless up to numerics: a low figure points at a wrong draft setup
         "eval/vllm_output_match_frac": sum(a == b for a, b in zip(spec_run["texts"], plain_run["texts"], strict=True))
         / max(len(spec_run["texts"]), 1),
     }
@@ -256,11 +366,14 @@ def summarize(spec_run: dict, plain_run: dict, num_speculative_tokens: int) -> d
 
 
 def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculative_tokens: int, max_tokens: int,
-                  port: int, gpu_memory_utilization: float, log_dir: Path, startup_timeout_s: float = 1800.0) -> dict:
-    """Speculative then plain vLLM server on the same prompts; `eval/vllm_*` metrics."""
+                  log_dir: Path, gpu_memory_utilization: float = 0.85, stop_token_ids: list[int] = (),
+                  dtype: str | None = None, startup_timeout_s: float = 1800.0, port: int | None = None,
+                  runs_out: dict | None = None) -> dict:
+    """Speculative then plain vLLM server on the same prompts; `eval/vllm_*` metrics. `runs_out`,
+    when given, receives both runs (their texts, token ids and per-prompt counters)."""
     from draftlab.models import check_against_target
 
-    require_gpu_and_vllm()
+    require_vllm()
     draft_dir = Path(draft_dir)
     config = draft_dir / "config.json"
     if not config.is_file() or "speculators_model_type" not in (draft_cfg := json.loads(config.read_text())):
@@ -270,15 +383,15 @@ def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculativ
                              source=str(config))
     if not prompts:
         raise ParamsError("evaluate.num_prompts: no held-out prompts to send to vLLM")
-    runs = {}
+    runs = {} if runs_out is None else runs_out
     for speculative in (True, False):
         what = "speculative" if speculative else "plain"
         command = vllm_serve_command(target, draft_dir.resolve(), num_speculative_tokens=num_speculative_tokens,
-                                     port=port, gpu_memory_utilization=gpu_memory_utilization,
-                                     speculative=speculative)
-        runs[what] = benchmark_server(command, port=port, prompts=prompts, max_tokens=max_tokens,
+                                     gpu_memory_utilization=gpu_memory_utilization, speculative=speculative,
+                                     dtype=dtype)
+        runs[what] = benchmark_server(command, prompts=prompts, max_tokens=max_tokens,
                                       log_path=Path(log_dir) / f"vllm_{what}.log", speculative=speculative,
-                                      startup_timeout_s=startup_timeout_s)
+                                      stop_token_ids=stop_token_ids, startup_timeout_s=startup_timeout_s, port=port)
     return summarize(runs["speculative"], runs["plain"], num_speculative_tokens)
 
 
@@ -287,7 +400,7 @@ def _main() -> None:
 
     from draftlab.serve.specdec import held_out_prompts
 
-    ap = argparse.ArgumentParser(description="vLLM serving benchmark of an exported EAGLE-3 draft (GPU hosts)")
+    ap = argparse.ArgumentParser(description="vLLM serving benchmark of an exported EAGLE-3 draft")
     ap.add_argument("--target", required=True, help="target folder or hub id")
     ap.add_argument("--draft", required=True, help="exported draft folder (`draftlab export`)")
     ap.add_argument("--data", required=True, help="prepared dataset (held-out prompts)")
@@ -295,13 +408,12 @@ def _main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--train-ratio", type=float, default=0.9)
-    ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--log-dir", default="reports/vllm")
     args = ap.parse_args()
     prompts = held_out_prompts(args.data, args.train_ratio, args.num_prompts)
     print(json.dumps(run_benchmark(target=args.target, draft_dir=Path(args.draft), prompts=prompts,
-                                   num_speculative_tokens=args.k, max_tokens=args.max_tokens, port=args.port,
+                                   num_speculative_tokens=args.k, max_tokens=args.max_tokens,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    log_dir=Path(args.log_dir)), indent=1))
 

@@ -8,7 +8,15 @@ tokens per target forward with the bonus token, vLLM's convention for its mean a
 
 Measured: real greedy speculative decoding of held-out prompts (`draftlab.serve.specdec`), with
 `eval/measured_acc_len` = 1 + accepted / drafts, acceptance per position, and target forward
-passes saved against plain greedy decoding. Both go to the training run in MLflow and to
+passes saved against plain greedy decoding.
+
+With `evaluate.backend: vllm`, vLLM judges the draft too, on the same prompts: it serves the target
+with the exported draft (`--speculative-config`, as the export's README tells a user) and the
+target alone (`draftlab.serve.serving`), and its own counters give `eval/vllm_measured_acc_len` and
+`eval/vllm_accept_rate_k`, beside output tokens/s with and without the draft and whether the greedy
+outputs are identical. `eval/vllm_minus_measured_acc_len` ± `eval/vllm_minus_measured_se` (per-prompt
+differences) and `eval/vllm_differs_from_measured` say whether vLLM's figure and draftlab's differ by
+more than their spread (docs/serving.md says why they can). All of it goes to the training run in MLflow and to
 `reports/metrics.json` (DVC metrics), with per-step curves as DVC plots and PNG figures.
 
     draftlab evaluate --params params.yaml --train runs/train --out reports
@@ -112,7 +120,10 @@ def draft_forward(draft, batch, steps: int, loss_implementation: str = "eager"):
     return captured[:steps], metrics
 
 
-def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]], layer_ids: list[int]) -> dict:
+def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]], layer_ids: list[int],
+             per_prompt: list | None = None) -> dict:
+    """draftlab's own greedy speculative decoding of `prompts`. `per_prompt`, when given, receives
+    each prompt's acceptance length and the target's plain greedy tokens (to set beside vLLM's)."""
     from draftlab.generation import stop_token_ids
     from draftlab.serve import specdec
 
@@ -125,6 +136,9 @@ def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]],
                                             layer_ids=layer_ids, stop_ids=stops)
         plain = specdec.plain_greedy(target, ids, max_new_tokens=params.evaluate.max_new_tokens, stop_ids=stops)
         stats.add(spec, plain)
+        if per_prompt is not None:
+            per_prompt.append({"acc_len": 1.0 + sum(spec.accepted_per_pos) / spec.drafts if spec.drafts else 1.0,
+                               "drafts": spec.drafts, "plain_tokens": list(plain.tokens)})
     out = {
         "eval/measured_acc_len": stats.mean_acceptance_length,
         "eval/num_speculative_tokens": k,
@@ -140,8 +154,10 @@ def measured(params: Params, draft, target, tokenizer, prompts: list[list[int]],
     return out
 
 
-def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_dir: Path, out_dir: Path) -> dict:
-    """vLLM serving benchmark of the exported draft (GPU hosts): speculative vs plain server."""
+def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_dir: Path, out_dir: Path,
+          stop_token_ids: list[int], hf_per_prompt: list[dict]) -> dict:
+    """vLLM serving the exported draft (as the export's README serves it) and the target alone, on
+    the prompts draftlab measured; its figures as eval/vllm_*, set beside draftlab's own."""
     import tempfile
 
     from draftlab.models import resolve
@@ -149,6 +165,7 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
     from draftlab.serve.draft_export import export_draft
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict = {}
     with tempfile.TemporaryDirectory(prefix=".vllm-draft-", dir=out_dir) as scratch:
         draft_dir = Path(scratch) / "draft"
         export_draft(params, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir, out_dir=draft_dir)
@@ -156,19 +173,35 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
             target=resolve(params, target_dir), draft_dir=draft_dir, prompts=prompts,
             num_speculative_tokens=params.evaluate.num_speculative_tokens or params.train.ttt_steps,
             max_tokens=params.evaluate.max_new_tokens, port=params.evaluate.vllm_port,
-            gpu_memory_utilization=params.evaluate.vllm_gpu_memory_utilization, log_dir=out_dir / "vllm")
-    vllm["eval/measured_acc_len"] = vllm["eval/vllm_measured_acc_len"]
-    for k in range(int(vllm["eval/vllm_num_speculative_tokens"])):
-        if f"eval/vllm_accept_rate_{k}" in vllm:
-            vllm[f"eval/accept_rate_{k}"] = vllm[f"eval/vllm_accept_rate_{k}"]
+            gpu_memory_utilization=params.evaluate.vllm_gpu_memory_utilization, log_dir=out_dir / "vllm",
+            stop_token_ids=stop_token_ids, dtype=params.target.dtype, runs_out=runs)
+    vllm.update(compare_with_vllm(hf_per_prompt, runs["speculative"]["per_prompt"], runs["plain"]["token_ids"]))
     return vllm
+
+
+def compare_with_vllm(hf_per_prompt: list[dict], vllm_per_prompt: list[dict], vllm_plain_tokens: list[list[int]]) -> dict:
+    """vLLM's acceptance length against draftlab's on the same prompts: the mean per-prompt
+    difference (vLLM − draftlab), its standard error, and whether it exceeds twice that (the
+    figures differ by more than their spread); and the share of prompts where vLLM's plain greedy
+    tokens equal the HF target's (a dtype or kernel difference shows here first)."""
+    import statistics
+
+    diffs = [v["mean_acceptance_length"] - h["acc_len"]
+             for h, v in zip(hf_per_prompt, vllm_per_prompt, strict=True) if h["drafts"] and v["num_drafts"]]
+    mean = statistics.fmean(diffs) if diffs else 0.0
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    same = sum(h["plain_tokens"] == list(v) for h, v in zip(hf_per_prompt, vllm_plain_tokens, strict=True))
+    return {"eval/vllm_minus_measured_acc_len": mean, "eval/vllm_minus_measured_se": se,
+            "eval/vllm_differs_from_measured": float(len(diffs) > 1 and abs(mean) > 2 * se),
+            "eval/vllm_hf_greedy_match_frac": same / max(len(hf_per_prompt), 1)}
 
 
 def leading_first(metrics: dict) -> dict:
     """The acceptance lengths, then the validation loss per TTT step, then the rest: what a user
     compares across runs comes first in `dvc exp show` and `dvc metrics show`, which list columns
     in the order of the file's keys."""
-    lead = [k for k in ("eval/simulated_acc_len", "eval/measured_acc_len") if k in metrics]
+    lead = [k for k in ("eval/simulated_acc_len", "eval/measured_acc_len", "eval/vllm_measured_acc_len")
+            if k in metrics]
     lead += [f"eval/loss_{s}" for s in range(len(metrics)) if f"eval/loss_{s}" in metrics]
     return {**{k: metrics[k] for k in lead}, **metrics}
 
@@ -232,9 +265,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
 
     started = time.perf_counter()
     if params.evaluate.backend == "vllm":
-        from draftlab.serve.serving import require_gpu_and_vllm
+        from draftlab.serve.serving import require_vllm
 
-        require_gpu_and_vllm()  # before anything loads: a CPU host fails at once
+        require_vllm()  # before anything loads: a host without vLLM fails at once
     from draftlab import devices
 
     placement = devices.resolve("evaluate.device", params.evaluate.device, params.target.dtype)
@@ -251,12 +284,16 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     from draftlab.serve.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
+    per_prompt: list[dict] = []
+    with devices.autocast(placement):
+        metrics.update(measured(params, draft, target, tokenizer, prompts, manifest.layer_ids, per_prompt))
     if params.evaluate.backend == "vllm":
-        metrics.update(_vllm(params, prompts, target_dir=target_dir, train_dir=train_dir,
-                             store_dir=store_dir, out_dir=out_dir))
-    else:
-        with devices.autocast(placement):
-            metrics.update(measured(params, draft, target, tokenizer, prompts, manifest.layer_ids))
+        from draftlab.generation import stop_token_ids
+
+        del target, draft  # vLLM loads its own copies
+        metrics.update(_vllm(params, prompts, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir,
+                             out_dir=out_dir, stop_token_ids=sorted(stop_token_ids(tokenizer)),
+                             hf_per_prompt=per_prompt))
     if metrics.get("eval/measured_acc_len"):
         metrics["eval/predicted_over_measured"] = metrics["eval/simulated_acc_len"] / metrics["eval/measured_acc_len"]
     metrics["eval/wall_clock_s"] = time.perf_counter() - started
@@ -282,6 +319,15 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         f"[bold]evaluate[/]: simulated acceptance length {metrics['eval/simulated_acc_len']:.3f} "
         f"(draft-vocab metric {metrics['eval/simulated_acc_len_draft_vocab']:.3f}), measured "
         f"{metrics.get('eval/measured_acc_len', float('nan')):.3f} on {len(prompts)} prompts; "
-        f"lossless: {metrics.get('eval/lossless', 'n/a (vllm)')} → {out_dir / 'metrics.json'}"
+        f"lossless: {metrics.get('eval/lossless', 'n/a')} → {out_dir / 'metrics.json'}"
     )
+    if "eval/vllm_measured_acc_len" in metrics:
+        m = metrics
+        console.print(
+            f"[bold]evaluate[/]: vLLM's acceptance length {m['eval/vllm_measured_acc_len']:.3f} on the same prompts "
+            f"(draftlab's measured {m['eval/measured_acc_len']:.3f}; per-prompt difference "
+            f"{m['eval/vllm_minus_measured_acc_len']:+.3f} ± {m['eval/vllm_minus_measured_se']:.3f}"
+            + (", more than their spread: docs/serving.md says why they can differ" if m["eval/vllm_differs_from_measured"]
+               else ", within their spread") + f"); output tokens/s with the draft ÷ without "
+            f"{m['eval/vllm_speedup']:.2f}, greedy outputs identical on {m['eval/vllm_output_match_frac']:.0%} of prompts")
     return EvaluateResult(metrics)

@@ -8,7 +8,9 @@ speculative config naming the aux layers plus the last one, and the `--kv_transf
 hs_connectors' `build_kv_transfer_config` — the fp8 connector when `extract.dtype` is
 `float8_e4m3fn`, the file connector otherwise), on `extract.vllm_gpus` with
 `extract.vllm_tensor_parallel_size`, waits for /health, runs the generation and stops the server's
-whole process group on every exit path (`serving.running`, as `evaluate`'s vllm backend does).
+whole process group on every exit path (`serving.running`, as `evaluate`'s vllm backend does: on
+127.0.0.1, a free port unless extract.vllm_port names one; without an API key, which speculators'
+generator cannot send).
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ def server_command(params: Params, *, vllm: str, model: str, num_layers: int, hi
     cmd = [vllm, "serve", model,
            "--speculative_config", json.dumps(speculative_config),
            "--kv_transfer_config", json.dumps(kv_transfer_config(e.dtype, hidden_states_path)),
-           "--host", "127.0.0.1", "--port", str(e.vllm_port),
            "--tensor-parallel-size", str(e.vllm_tensor_parallel_size),
            "--gpu-memory-utilization", str(e.vllm_gpu_memory_utilization)]  # fmt: skip
     if params.target.trust_remote_code:
@@ -125,10 +126,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     cmd = server_command(params, vllm=vllm, model=model, num_layers=config.num_hidden_layers, hidden_states_path=shared)
     console.print(f"[bold]extract[/]: starting vLLM on GPU(s) {','.join(gpus)}: " + " ".join(cmd))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
+    # no API key: speculators' generate-offline-data sends none (its OpenAI client's "EMPTY")
     with serving.running(cmd, port=params.extract.vllm_port, log_path=out_dir.parent / f"{out_dir.name}-vllm.log",
                          what="extraction", startup_timeout_s=params.extract.vllm_startup_timeout_s, env=env,
-                         port_key="extract.vllm_port") as base:
-        gen = vllm_command(params, data_dir=data_dir, out_dir=out_dir, endpoint=f"{base}/v1")
+                         port_key="extract.vllm_port", api_key=False) as server:
+        gen = vllm_command(params, data_dir=data_dir, out_dir=out_dir, endpoint=f"{server.base_url}/v1")
         gen[gen.index("--model") + 1] = model  # the name the server serves (tiny targets have no path)
         generate(gen)
 

