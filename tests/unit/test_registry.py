@@ -235,3 +235,24 @@ def test_a_spooled_registration_of_a_folder_exported_over_since_is_not_registere
     replay_spool(layout[0].parent / "spool.jsonl")
     assert not mlflow_store.search_model_versions("name='tiny-eagle3'")
     assert "changed since run" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_sweeps_end_names_its_best_and_says_how_to_load_it(layout, mlflow_store, capsys, tmp_path):
+    from draftlab.registry.drafts import name_best
+    from draftlab.tracking import MlflowTracker
+
+    run_id = mlflow_store.create_run(mlflow_store.experiment).info.run_id
+    sweep = MlflowTracker(mlflow_store.create_run(mlflow_store.experiment).info.run_id, spool=tmp_path / "s.jsonl")
+    name_best(sweep, tiny_params(), study="lr search", metric="val/loss", direction="minimize", value=1.0,
+              run_id=run_id)
+    assert "no alias set" in " ".join(capsys.readouterr().err.split()), "a best trial without a version: said"
+    assert not (tmp_path / "s.jsonl").exists(), "and not mistaken for an outage"
+
+    for_run(layout, run_id)
+    _register(tiny_params(), layout, run_id)
+    name_best(sweep, tiny_params(), study="lr search", metric="val/loss", direction="minimize", value=1.0,
+              run_id=run_id)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "best-lr-search → tiny-eagle3 version 1" in said
+    assert "mlflow artifacts download --artifact-uri 'models:/tiny-eagle3@best-lr-search'" in said
+    assert str(mlflow_store.get_model_version_by_alias("tiny-eagle3", "best-lr-search").version) == "1"

@@ -195,10 +195,15 @@ def name_best(tracker, params, *, study: str, metric: str, direction: str, value
                "trial_run_id": run_id}
     done: dict = {}
     tracker.call("alias", payload, lambda: done.update(result=alias_best(
-        tracker.client, name=name, alias=alias, run_id=run_id, metric=metric, direction=direction, value=value)))
+        tracker.client, name=name, alias=alias, run_id=run_id, metric=metric, direction=direction, value=value,
+        required=False)))
     if "result" not in done:
         return
     version, moved, holder = done["result"]
+    if version is None:
+        console.print(f"[yellow]sweep[/]: the best trial's draft (run {run_id}) has no version of {name} (see its "
+                      "trial.log); no alias set", soft_wrap=True)
+        return
     if moved:
         console.print(f"[bold]sweep[/]: {alias} → {name} version {version} ({metric} = {value:.4f})", soft_wrap=True)
     elif str(holder.version) == version:
@@ -213,15 +218,20 @@ def name_best(tracker, params, *, study: str, metric: str, direction: str, value
                   soft_wrap=True)
 
 
-def alias_best(client, *, name: str, alias: str, run_id: str, metric: str, direction: str, value: float):
+def alias_best(client, *, name: str, alias: str, run_id: str, metric: str, direction: str, value: float,
+               required: bool = True):
     """(version, moved, holder): the alias moves to run `run_id`'s latest version of `name` when
-    no version holds it, the holder was won on another metric, or `value` beats the holder's."""
+    no version holds it, the holder was won on another metric, or `value` beats the holder's.
+    A run with no version: (None, False, None), or with `required` an error (a spool's import
+    before the trial's own)."""
     from mlflow.exceptions import MlflowException
 
     from draftlab.errors import HostError
 
     versions = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
     if not versions:
+        if not required:
+            return None, False, None
         raise HostError(f"{name}: no version registered from run {run_id}; import that trial's spool "
                         "(`draftlab tracking-import <trial>/train/tracking-spool.jsonl`) first, then this one again")
     version = str(max(int(v.version) for v in versions))
