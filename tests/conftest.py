@@ -40,6 +40,7 @@ class RecordingTracker:
         self.metrics: list[tuple[int | None, dict]] = []
         self.artifacts: list[tuple[Path, str | None]] = []
         self.tags: dict = {}
+        self.calls: list[tuple[str, dict]] = []
 
     def log_params(self, params):
         self.params.update(params)
@@ -52,6 +53,10 @@ class RecordingTracker:
 
     def set_tags(self, tags):
         self.tags.update(tags)
+
+    def call(self, kind, payload, fn):
+        """A registry or lineage write (draftlab.registry): kept, not sent."""
+        self.calls.append((kind, payload))
 
 
 @pytest.fixture(scope="session")

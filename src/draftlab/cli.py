@@ -183,14 +183,17 @@ def export(
     train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = paths.TRAIN,
     store: Annotated[Path, typer.Option(help="Hidden-state store folder (its manifest).")] = paths.STORE,
     out: Annotated[Path, typer.Option(help="Exported draft folder.")] = paths.DRAFT,
+    reports: Annotated[Path, typer.Option(help="The evaluate stage's reports folder: its figures (acceptance) go "
+                                          "on the registered version when they are this training's.")] = paths.REPORTS,
 ) -> None:
-    """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers)."""
+    """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers) and register it in MLflow."""
     p = _load(params)
     from draftlab.stages import export as stage
     from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
     tracker = MlflowTracker(run_id_of(train_dir), spool=spool_beside(out))
-    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out, tracker=tracker)
+    stage.run(p, target_dir=target, train_dir=train_dir, store_dir=store, out_dir=out, tracker=tracker,
+              reports_dir=reports)
     _say_spool(tracker, "export")
 
 

@@ -374,6 +374,12 @@ class Export(Section):
         None, description="The target's path or hub id on the serving host, written into the draft's "
         "config; null = the hub id (hub targets) or this host's absolute target path."
     )
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$",
+        description="The MLflow registered model each export adds a version to (letters, digits, `.`, `_`, "
+        "`-`); null = `<target>-eagle3` (`tiny-eagle3` for the tiny default, the last part of the path or hub "
+        "id otherwise). A sweep's best trial's version gets the alias `best-<study>`."
+    )
 
 
 class Params(Section):

@@ -380,8 +380,43 @@ class SpooledEnd(Record):
     end_time: int
 
 
-SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact | SpooledEnd,
-                        Field(discriminator="kind")]
+class SpooledInputs(Record):
+    """A run's dataset inputs (draftlab.registry.lineage): MLflow's Dataset fields and the context."""
+
+    run_id: str
+    kind: Literal["inputs"]
+    datasets: list[dict[str, str]]
+
+
+class SpooledRegistration(Record):
+    """An exported draft to log as a model of the run and register (draftlab.registry.drafts);
+    `digest` is the folder's at export: a folder changed since is not registered under it."""
+
+    run_id: str
+    kind: Literal["register"]
+    path: str
+    digest: str
+    name: str
+    tags: dict[str, str]
+    description: str
+
+
+class SpooledAlias(Record):
+    """A sweep's best (draftlab.registry.drafts.name_best), logged by the sweep's run `run_id`: the
+    alias moves to trial run `trial_run_id`'s version only if its objective beats the holder's."""
+
+    run_id: str
+    kind: Literal["alias"]
+    trial_run_id: str
+    name: str
+    alias: str
+    metric: str
+    direction: Literal["minimize", "maximize"]
+    value: float
+
+
+SpoolRecord = Annotated[SpooledMetrics | SpooledParams | SpooledTags | SpooledArtifact | SpooledEnd | SpooledInputs
+                        | SpooledRegistration | SpooledAlias, Field(discriminator="kind")]
 _SPOOL = TypeAdapter(SpoolRecord)
 
 
@@ -527,6 +562,7 @@ class TrialDir(_Folder):
     params_path = _path("params.yaml")
     log_path = _path("trial.log")
     reports = _path("reports")
+    draft = _path("draft", "the trial's exported draft (a search trial's; registered in MLflow)")
 
     @property
     def train(self) -> RunDir:

@@ -95,6 +95,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
+    def call(self, kind: str, payload: dict, fn) -> None: ...
 
 
 def param_str(value: Any) -> str:
@@ -149,6 +150,11 @@ class MlflowTracker:
 
             append_spool(self.spool, {"run_id": self.run_id, "kind": kind, **payload})
             self.spooled += 1
+
+    def call(self, kind: str, payload: dict, fn) -> None:
+        """`fn()` now, or, while the server is away, the record `{run_id, kind, **payload}` in the
+        spool for `draftlab tracking-import` (the registry's and lineage's writes: draftlab.registry)."""
+        self._call(kind, payload, fn)
 
     def end(self, status: str = "FINISHED") -> None:
         """The run's end, as its one owner sets it; kept in the spool if the server is away."""
@@ -258,6 +264,10 @@ def replay_spool(spool: Path) -> int:
             store.log_batch(rec.run_id, tags=[RunTag(k, v) for k, v in rec.tags.items()])
         elif rec.kind == "end":
             store.set_terminated(rec.run_id, rec.status, end_time=rec.end_time)
+        elif rec.kind in ("inputs", "register", "alias"):
+            from draftlab.registry import replay
+
+            replay(store, rec)
         else:
             store.log_artifact(rec.run_id, rec.path, rec.artifact_path)
     flush()

@@ -315,6 +315,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         tracker.set_tags({"evaluate.device": placement.device, "evaluate.compute_dtype": placement.compute_dtype})
         for path in [out_dir / "metrics.json", out_dir / "acceptance.csv", *figures]:
             tracker.log_artifact(path, "evaluate")
+        from draftlab.registry import lineage  # the store is the training's input already (same run)
+
+        lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="val", context="evaluation",
+                                                              train_ratio=params.data.train_ratio)])
     console.print(
         f"[bold]evaluate[/]: simulated acceptance length {metrics['eval/simulated_acc_len']:.3f} "
         f"(draft-vocab metric {metrics['eval/simulated_acc_len_draft_vocab']:.3f}), measured "

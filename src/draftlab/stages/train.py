@@ -175,6 +175,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             tracker.set_tags({"draftlab.resumed_from_step": resumed_step if resumed_step is not None else 0})
             console.print(f"[bold]train[/]: resuming MLflow run {run_id} from global step {resumed_step}")
             _restore_step_metrics(rd, run_id, console)
+        from draftlab.registry import lineage  # the data as MLflow datasets (again on a resume: adds nothing)
+
+        lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
+                                                              train_ratio=params.data.train_ratio),
+                                     lineage.store_dataset(store_dir, context="training")])
         rd.accounting.write(AccountingRecord(**a.to_json()))
         rd.plan.write(RankPlan(
             total_steps=a.total_steps, step_tokens=step_tokens, last_logged_step=_last_logged_step(run_id),

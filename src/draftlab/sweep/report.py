@@ -110,7 +110,8 @@ def report(study, spec: SweepSpec, out_dir: Path, run_id: str | None, *, spent_s
     if done:
         best = max(done, key=lambda r: r["value"]) if maximize else min(done, key=lambda r: r["value"])
         summary["best"] = {"trial": best["number"], "value": best["value"], "params": study.trials[best["number"]].params,
-                           "resolved_lr": best["resolved_lr"], "gpu_hours": best["gpu_hours"]}
+                           "resolved_lr": best["resolved_lr"], "gpu_hours": best["gpu_hours"],
+                           "run_id": best["run_id"]}
     write_json_atomic(rep / "best_params.json", summary.get("best", {}))
     write_json_atomic(rep / "summary.json", summary)
     artifacts = [rep / "trials.csv", rep / "pareto.json", rep / "best_params.json", rep / "summary.json"]

@@ -194,6 +194,11 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
                 from draftlab.rundir import StudyDir
 
                 parent_tracker = tracking.MlflowTracker(parent, spool=StudyDir(out_dir).spool_path)
+                if (best := summary.get("best")) and best.get("run_id"):  # its draft's version: best-<study>
+                    from draftlab.registry.drafts import name_best
+
+                    name_best(parent_tracker, base, study=spec.study, metric=spec.objective.metric,
+                              direction=spec.objective.direction, value=best["value"], run_id=best["run_id"])
                 parent_tracker.end(status)
                 if line := parent_tracker.spool_line("sweep"):
                     console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)

@@ -49,6 +49,26 @@ def epoch_values(client, run_id: str, metric: str, ttt_steps: int) -> dict[int, 
     return {e: 1 + sum(d[e] for d in per_k) for e in sorted(epochs)}
 
 
+def _register(params, tracker, trial: TrialDir, *, target_dir: Path, store_dir: Path) -> None:
+    """The trial's draft exported into its folder and registered (draftlab.registry.drafts), so
+    every search trial's draft is a version users compare, and the sweep's best can be named."""
+    from draftlab.console import console
+    from draftlab.registry.drafts import register_export
+    from draftlab.serve.draft_export import export_draft
+
+    from draftlab.errors import UserError
+
+    try:
+        draft = export_draft(params, target_dir=target_dir, train_dir=trial.train.path, store_dir=store_dir,
+                             out_dir=trial.draft)
+    except UserError as err:  # the trial's objective stands; its draft is not a version
+        console.print(f"[yellow]trial[/]: draft not exported, not registered: {err}", soft_wrap=True)
+        return
+    if line := register_export(params, tracker, draft_dir=draft.out_dir, train_dir=trial.train.path,
+                               store_dir=store_dir, reports_dir=trial.reports):
+        console.print(f"[bold]trial[/]: draft {line}", soft_wrap=True)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # train.run forwards it to torchrun's process group
 
@@ -90,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ev = evaluate.run(params, target_dir=Path(a.target), data_dir=Path(a.data), store_dir=Path(a.store),
                           train_dir=trial.train.path, out_dir=trial.reports, tracker=tracker)
         value = None if a.role == "calibration" else objective_of(a.metric, ev.metrics, tr.run_id)
+        if a.role != "calibration":
+            _register(params, tracker, trial, target_dir=Path(a.target), store_dir=Path(a.store))
         timing = trial.train.train.read().timing or {}
         wall = time.time() - started
         # timing/after_s lets later sweeps take this run as a calibration (costmodel.points_from_mlflow)
