@@ -416,6 +416,7 @@ def tracking_import(
 ) -> None:
     """Upload the records (metrics, params, tags, artifacts, the run's end) kept locally during a tracking outage."""
     from draftlab.console import console
+    from draftlab.registry import replay as replay_registry
     from draftlab.tracking import replay_spool
 
     for spool in spools:
@@ -423,7 +424,7 @@ def tracking_import(
             _fail(f"{spool}: no such spool file")
     for spool in spools:
         try:
-            n = replay_spool(spool)
+            n = replay_spool(spool, replay_registry=replay_registry)
         except UserError:
             raise
         except Exception as err:  # noqa: BLE001 — the server is away again: nothing is lost, import again later

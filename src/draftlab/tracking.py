@@ -229,9 +229,11 @@ class MlflowTracker:
                    lambda: self.client.log_batch(self.run_id, tags=items))
 
 
-def replay_spool(spool: Path) -> int:
+def replay_spool(spool: Path, *, replay_registry=None) -> int:
     """Upload a spool written during an outage; returns the number of records replayed. The
-    whole file is read first: a bad line is one RunFileError and nothing is uploaded."""
+    whole file is read first: a bad line is one RunFileError and nothing is uploaded.
+    `replay_registry(client, record)` uploads the registry's and lineage's records (the caller
+    passes `draftlab.registry.replay`: the shared core imports no package)."""
     from mlflow.entities import Metric, Param, RunTag
 
     from draftlab.rundir import read_spool
@@ -265,9 +267,9 @@ def replay_spool(spool: Path) -> int:
         elif rec.kind == "end":
             store.set_terminated(rec.run_id, rec.status, end_time=rec.end_time)
         elif rec.kind in ("inputs", "register", "alias"):
-            from draftlab.registry import replay
-
-            replay(store, rec)
+            if replay_registry is None:
+                raise TypeError("replay_spool: a registry record needs replay_registry (draftlab.registry.replay)")
+            replay_registry(store, rec)
         else:
             store.log_artifact(rec.run_id, rec.path, rec.artifact_path)
     flush()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from draftlab.registry import replay
 from draftlab.rundir import (ExportRecord, Manifest, PrepareRecord, RunDir, StoreDir, TargetInfo, TrainRecord,
                              export_record, prepare_record)
 from tests.conftest import tiny_params
@@ -212,8 +213,8 @@ def test_an_outage_spools_registration_alias_and_inputs_and_importing_twice_regi
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
     for _ in range(2):  # an import twice
-        assert replay_spool(layout[0].parent / "spool.jsonl") == 2
-        assert replay_spool(tmp_path / "sweep-spool.jsonl") == 1
+        assert replay_spool(layout[0].parent / "spool.jsonl", replay_registry=replay) == 2
+        assert replay_spool(tmp_path / "sweep-spool.jsonl", replay_registry=replay) == 1
     (version,) = mlflow_store.search_model_versions("name='tiny-eagle3'")
     assert version.tags["acceptance.simulated"] == "1.423"
     assert str(mlflow_store.get_model_version_by_alias("tiny-eagle3", "best-s").version) == str(version.version)
@@ -232,7 +233,7 @@ def test_a_spooled_registration_of_a_folder_exported_over_since_is_not_registere
     _register(tiny_params(), layout, run_id)
     (layout[0] / "model.safetensors").write_bytes(b"a later export")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
-    replay_spool(layout[0].parent / "spool.jsonl")
+    replay_spool(layout[0].parent / "spool.jsonl", replay_registry=replay)
     assert not mlflow_store.search_model_versions("name='tiny-eagle3'")
     assert "changed since run" in " ".join(capsys.readouterr().err.split())
 

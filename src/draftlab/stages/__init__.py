@@ -2,5 +2,5 @@
 `target`, `prepare`, `extract`, `train`, `evaluate`, `export`. A stage is `run(params, *, paths…)`:
 it orchestrates the packages below it and reads no other file, env var or global.
 
-May import: the shared core, `plan`, `training`, `store`, `serve`, `observe`.
+May import: the shared core, `plan`, `training`, `store`, `serve`, `observe`, `registry`.
 """
