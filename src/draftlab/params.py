@@ -241,9 +241,11 @@ class Watch(Section):
         "(train.warmup_steps) and the latest one at each check, every window_steps steps. "
         "null = 1 % of the run's steps, at least 5 and at most 500.")
     stall_frac: PositiveFloat = Field(
-        0.02, description="A loss (median of a window) that has not fallen below its early window's by more "
-        "than this fraction and more than the noise (2.5 standard errors of the difference of the two "
-        "medians) is `stalled` (lr 0, frozen weights).")
+        0.02, description="A loss (median of a window) fallen below its early window's by more than this "
+        "fraction and more than the noise (2.5 standard errors of the difference of the two medians) is "
+        "`learning`; one shown, within its noise, to fall by less than this fraction (first half of the steps "
+        "since warm-up against the second) is `stalled` (lr 0, frozen weights); neither shown is `cannot tell "
+        "yet`, which stops nothing.")
     diverge_frac: PositiveFloat = Field(
         0.10, description="A loss that has risen above its early window's by more than this fraction, and "
         "more than the noise, is `diverging`.")

@@ -55,6 +55,24 @@ def test_verdicts_carry_their_deciding_figures():
     assert "near their peak" in bn.classify(COMPUTE_SATURATED).remedy
 
 
+def test_a_cpu_runs_verdict_speaks_of_cpu_cores_not_gpus():
+    """The quickstart's CPU run printed "Remedy: the GPUs compute near their peak: add GPUs" with
+    GPU utilization, power and MFU all n/a. A CPU run's verdict names what was measured there."""
+    cpu_run = bn.TelemetryWindow(data_wait_frac=0.02, step_ms=450, cpu_busy_pct=96, comm_frac=0.01, device="cpu")
+    v = bn.classify(cpu_run)
+    assert v.label == "compute-bound" and "CPU cores" in v.remedy
+    assert "GPU" not in v.line() and "gpu_util" not in v.evidence and v.evidence["cpu_busy"] == "96 %"
+    loader = bn.classify(bn.TelemetryWindow(data_wait_frac=0.35, step_ms=800, cpu_busy_pct=97, device="cpu"))
+    assert loader.label == "data-bound (CPU)" and "GPU" not in loader.line()
+
+
+def test_with_no_device_figure_measured_no_gpu_is_named():
+    unknown = bn.classify(bn.TelemetryWindow(data_wait_frac=0.02, step_ms=450, cpu_busy_pct=30))
+    assert unknown.label == "compute-bound" and "GPU" not in unknown.line() and "not known" in unknown.remedy
+    util_only = bn.classify(bn.TelemetryWindow(data_wait_frac=0.02, step_ms=450, gpu_util_pct=99, device="cuda"))
+    assert "add GPUs" not in util_only.remedy and "not known" in util_only.remedy, "utilization is not saturation"
+
+
 def test_the_largest_loss_decides_and_missing_figures_are_named():
     both = bn.TelemetryWindow(data_wait_frac=0.2, step_ms=1000, cpu_busy_pct=95, comm_frac=0.4)
     assert bn.classify(both).label == "communication-bound"

@@ -120,6 +120,8 @@ class TelemetryWindow:
     gpu_power_frac: float | None = None
     mfu: float | None = None
     last_step: int | None = None
+    # what computed the steps: "cuda", "cpu", or None (not known: a verdict then names no device)
+    device: str | None = None
 
 
 @dataclass
@@ -186,10 +188,11 @@ def classify(w: TelemetryWindow) -> Verdict:
                            "(mind /dev/shm), and make sure ranks shard the data instead of each reading all of it")
         why = ("decode/collate saturates the CPUs" if cpu_busy else
                "neither disk nor CPUs saturated: too few loader workers to keep up")
+        per = "per rank (the loader shares them with the CPU ranks' compute)" if w.device == "cpu" else "per GPU"
         return Verdict("data-bound (CPU)", {**ev, "why": why},
                        "raise train.num_workers if cores are idle (each worker decodes and collates one batch), "
                        "else use a cheaper format/collate (safetensors ≈ 1.9 CPU-s per GB vs 3.7 for .pt; a "
-                       "one-copy collate ≈ 1) or more CPU cores per GPU")
+                       f"one-copy collate ≈ 1) or more CPU cores {per}")
     if worst == "straggler":
         slow = max(range(len(w.rank_busy_ms)), key=lambda r: w.rank_busy_ms[r])
         return Verdict("straggler-bound", {**base, "rank_busy_ms": [round(x, 1) for x in w.rank_busy_ms],
@@ -202,13 +205,27 @@ def classify(w: TelemetryWindow) -> Verdict:
                                                "step_ms": _fmt(w.step_ms, " ms")},
                        "gradient all-reduce dominates: more tokens per sync (larger total_seq_len), DDP instead "
                        "of FSDP when the draft fits, NVLink/faster interconnect, or fewer ranks per node")
-    ev = {**base, **gpu_ev, "comm": _fmt(None if w.comm_frac is None else 100 * w.comm_frac, " %", 1)}
+    comm = {"comm": _fmt(None if w.comm_frac is None else 100 * w.comm_frac, " %", 1)}
+    if w.device == "cpu":  # a CPU run: no GPU was used, nor measured; its compute is the CPU cores
+        ev = {**base, "cpu_busy": _fmt(w.cpu_busy_pct, " %"), **comm}
+        remedy = ("the CPU cores compute the steps (a CPU run): give each rank more cores (torch threads), "
+                  "and run no more ranks than there are cores")
+        return Verdict("compute-bound", ev, remedy)
+    if w.device != "cuda" and all(x is None for x in (w.gpu_util_pct, w.gpu_power_frac, w.mfu)):
+        ev = {**base, **comm}
+        remedy = ("no loss to data, communication or stragglers was measured; nothing was measured of the "
+                  "devices themselves (utilization, power, MFU), so how near their peak they run is not known")
+        return Verdict("compute-bound", ev, remedy)
+    ev = {**base, **gpu_ev, **comm}
     unsaturated = ((w.mfu is not None and w.mfu < LOW_MFU)
                    or (w.gpu_power_frac is not None and w.gpu_power_frac < LOW_POWER_FRAC))
     if unsaturated:
         remedy = ("the GPU is busy but far from its peak (utilization counts time a kernel runs, not how much of "
                   "the chip it uses): fewer, larger kernels — a larger total_seq_len, flex attention and the "
                   "fused loss, torch.compile, and a profiling log_freq > 1 (every profiled step synchronizes)")
+    elif w.mfu is None and w.gpu_power_frac is None:
+        remedy = ("the GPUs compute, but neither MFU nor power was measured, so how near their peak is not "
+                  "known: look at perf/mfu and the GPU power in MLflow's system metrics before adding GPUs")
     else:
         remedy = "the GPUs compute near their peak: add GPUs (sharding the data) or cut FLOPs per token"
     return Verdict("compute-bound", ev, remedy)
@@ -251,8 +268,9 @@ def _mean(xs):
 
 def build_windows(samples: list[Sample], steps: list[dict], *, window_s: float = 60.0,
                   disk_ceiling_mb_s: float | None = None, flops_per_token: float | None = None,
-                  peak: float | None = None) -> list[TelemetryWindow]:
-    """Cut host samples and per-rank step records (StepProfileRecorder) into fixed windows."""
+                  peak: float | None = None, device: str | None = None) -> list[TelemetryWindow]:
+    """Cut host samples and per-rank step records (StepProfileRecorder) into fixed windows;
+    `device` ("cuda", "cpu") is what computed the steps (None: not known)."""
     times = [s.t for s in samples] + [r["t"] for r in steps]
     if not times:
         return []
@@ -266,6 +284,7 @@ def build_windows(samples: list[Sample], steps: list[dict], *, window_s: float =
     for k in sorted(buckets):
         ss, rs = buckets[k]
         w = TelemetryWindow(start_s=k * window_s, end_s=(k + 1) * window_s, disk_ceiling_mb_s=disk_ceiling_mb_s,
+                            device=device,
                             disk_read_mb_s=_mean(s.disk_read_mb_s for s in ss),
                             disk_busy_pct=_mean(s.disk_busy_pct for s in ss),
                             cpu_busy_pct=_mean(s.cpu_busy_pct for s in ss),
@@ -298,9 +317,11 @@ def build_windows(samples: list[Sample], steps: list[dict], *, window_s: float =
 
 
 def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window_s: float = 60.0,
-             disk_ceiling_mb_s: float | None = None, flops_per_token: float | None = None) -> RunVerdict:
+             disk_ceiling_mb_s: float | None = None, flops_per_token: float | None = None,
+             device: str | None = None) -> RunVerdict:
     """End of a run: windows → verdict; tag `draftlab.bottleneck`, log the evidence as
-    `bottleneck.json` and perf/mfu, perf/gpu_power_frac per window (GPU hosts)."""
+    `bottleneck.json` and perf/mfu, perf/gpu_power_frac per window (GPU hosts). `device`: what
+    trained ("cuda", "cpu"; the verdict speaks only of what was measured on it)."""
     from draftlab.util import write_json_atomic
 
     samples = sampler.samples if sampler else []
@@ -309,7 +330,8 @@ def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window
         found = peak_flops(sampler.gpu_names[0])
         peak = found[0] if found else None
     windows = build_windows(samples, read_step_records(run_dir), window_s=window_s,
-                            disk_ceiling_mb_s=disk_ceiling_mb_s, flops_per_token=flops_per_token, peak=peak)
+                            disk_ceiling_mb_s=disk_ceiling_mb_s, flops_per_token=flops_per_token, peak=peak,
+                            device=device)
     verdict = verdict_for_run(windows)
     for w in windows:
         figures = {k: v for k, v in (("perf/mfu", w.mfu), ("perf/gpu_power_frac", w.gpu_power_frac)) if v is not None}

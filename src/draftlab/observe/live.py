@@ -72,8 +72,10 @@ class _Tail:
 class LiveVerdict:
     SAY_POLL_S = 2.0  # how often, once a window has a verdict, progress.json is read for the first trend
 
-    def __init__(self, sampler, run_dir: Path, tracker, *, window_s: float = 60.0, console=None):
+    def __init__(self, sampler, run_dir: Path, tracker, *, window_s: float = 60.0, console=None,
+                 device: str | None = None):
         self.sampler, self.run_dir, self.tracker, self.window_s = sampler, Path(run_dir), tracker, window_s
+        self.device = device  # "cuda", "cpu": what trains (the verdict names only what was measured there)
         self.console = console
         self.tail = _Tail(run_dir)
         self.taken = 0  # samples already in a window
@@ -117,7 +119,7 @@ class LiveVerdict:
         steps = self.tail.read()
         if not steps:
             return None
-        built = build_windows(samples, steps, window_s=1e12)
+        built = build_windows(samples, steps, window_s=1e12, device=self.device)
         if not built:
             return None
         w = built[0]

@@ -216,7 +216,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         with tracking.system_metrics(run_id):
             threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
             sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
-            live_verdict = LiveVerdict(sampler, out_dir, tracker, console=console).start()  # observe.live
+            live_verdict = LiveVerdict(sampler, out_dir, tracker, console=console, device=device).start()  # observe.live
             try:
                 procs.clear_recorded(out_dir)
                 rd.rank_done.unlink()
@@ -262,7 +262,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             tracker.log_artifact(checkpoint / f, "checkpoint")
         fpt = (bottleneck.draft_flops_per_token(json.loads((checkpoint / "config.json").read_text()),
                                                ttt_steps=params.train.ttt_steps) if device == "cuda" else None)
-        verdict = bottleneck.conclude(sampler, out_dir, tracker, flops_per_token=fpt)
+        verdict = bottleneck.conclude(sampler, out_dir, tracker, flops_per_token=fpt, device=device)
         console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
         tokens_per_s = sum(step_tokens) / wall
         harness = run_timing.harness_cpu(out_dir, launcher_cpu, a.total_steps)

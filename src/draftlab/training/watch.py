@@ -7,16 +7,25 @@ collective):
 - a NaN or inf loss (`train/loss`, `train/loss_k`, or a grad norm where the trainer reports one)
   is `diverged`: the run stops (draftlab.training.rank);
 - after warm-up (`train.warmup_steps`) the first `window_steps` steps are each position's early
-  window; every `window_steps` steps after the next window the median of the latest window is
-  compared with the early one's: fallen by more than `stall_frac` of it and more than the
-  noise (2.5 standard errors of the difference of the two medians, the spread estimated from each
-  value's distance to its own window's median) is `learning`, risen likewise by
-  `diverge_frac` is `diverging`, otherwise `stalled`. The first check sets the trend; a change
-  after it must show in two checks in a row.
+  window; every `window_steps` steps after the next window each position is checked. The noise of
+  a difference of two medians is 2.5 standard errors (the spread estimated from each value's
+  distance to its own window's median). Each verdict is a finding, shown beyond that noise:
+    `learning`   the latest window's median has fallen below the early one's by more than
+                 `stall_frac` of it and more than the noise;
+    `diverging`  it has risen likewise by more than `diverge_frac`;
+    `stalled`    the loss is flat: split every step since warm-up in two halves, the fall from the
+                 first half's median to the second's, plus its noise, is below `stall_frac`
+                 (the loss is shown not to fall by that much; the halves grow with the run, so a
+                 noisy loss is found flat later, never sooner than its noise allows);
+    `cannot tell yet`  none of those shown (a slow fall inside the noise, a short window): nothing
+                 stops on it.
+  `stalled` and `diverging` must show in two checks in a row before they are the trend (so a run
+  is never stopped at its first check); `learning` and `cannot tell yet` take effect at once.
 
-The run's trend is `diverging` if any TTT position diverges, `learning` if any learns, else
-`stalled`. `train.watch.stop_on` names trends that stop the run too (a sweep's trials stop on
-both). After a resume the early window is collected again from the resumed steps.
+The run's trend is `diverging` if any TTT position diverges, `learning` if any learns, `stalled`
+if every position is flat, else `cannot tell yet`. `train.watch.stop_on` names trends that stop
+the run too (a sweep's trials stop on `stalled` and `diverging`). After a resume the early window
+is collected again from the resumed steps.
 
 Pure Python (no torch): unit-tested in tests/unit/test_watch.py.
 """
@@ -25,10 +34,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
 WARMING_UP, LEARNING, STALLED, DIVERGING, DIVERGED = "warming up", "learning", "stalled", "diverging", "diverged"
+UNSURE = "cannot tell yet"
+HALF_SAMPLE = 2048  # values per half the flatness test reads at most (a check stays ~ms on 177 k steps)
+CONFIRMED_TWICE = (STALLED, DIVERGING)  # the trends a run may be stopped on
 TAG = "draftlab.convergence"
 NOISE_SE = 2.5  # a change smaller than this many standard errors is noise
 EXIT_DIVERGED, EXIT_STOPPED = 3, 5  # a rank's and `draftlab train`'s exit codes
@@ -77,7 +90,8 @@ class Check:
 def _pooled_mad(*windows) -> float:
     """Median absolute deviation of every value from its own window's median: the step-to-step
     noise, not the fall within the early window (right after warm-up a learning loss falls fast)."""
-    return statistics.median(abs(x - statistics.median(w)) for w in windows for x in w)
+    centres = [statistics.median(w) for w in windows]
+    return statistics.median(abs(x - c) for w, c in zip(windows, centres) for x in w)
 
 
 def _pct(x: float) -> str:
@@ -92,6 +106,7 @@ class ConvergenceWatch:
         self.stall_frac, self.diverge_frac = stall_frac, diverge_frac
         self.early: dict[str, list[float]] = {}
         self.recent: dict[str, deque] = {}
+        self.since_warmup: dict[str, array] = {}  # every value (8 bytes each): the flatness test's halves
         self.seen = 0  # steps observed since warm-up
         self.state = WARMING_UP
         self.pending: str | None = None
@@ -107,6 +122,7 @@ class ConvergenceWatch:
         self.seen += 1
         for k in keys:
             v = float(train[k])
+            self.since_warmup.setdefault(k, array("d")).append(v)
             early = self.early.setdefault(k, [])
             if len(early) < self.window and self.seen <= self.window:
                 early.append(v)
@@ -116,6 +132,24 @@ class ConvergenceWatch:
             return None
         return self._check(step)
 
+    @staticmethod
+    def _noise(a, b) -> float:
+        """2.5 standard errors of the difference of the medians of `a` and `b`: σ ≈ 1.4826 MAD of
+        the values about their own window's median; a median's error ≈ 1.2533 σ / √n."""
+        sigma = 1.4826 * _pooled_mad(a, b)
+        return NOISE_SE * 1.2533 * sigma * math.sqrt(1 / len(a) + 1 / len(b))
+
+    def _flat(self, key: str) -> tuple[float, float, float]:
+        """(relative fall from the first half of the steps since warm-up to the second, its noise
+        relative to the first half's median, that median)."""
+        values = self.since_warmup[key]
+        half = len(values) // 2
+        stride = -(-half // HALF_SAMPLE)  # a long run: every stride-th step (its noise counts the sample)
+        first, second = values[:half:stride], values[half::stride]
+        m1, m2 = statistics.median(first), statistics.median(second)
+        scale = abs(m1) or 1.0
+        return (m1 - m2) / scale, self._noise(first, second) / scale, m1
+
     def _check(self, step: int) -> Check:
         per: dict[str, dict] = {}
         overall = None
@@ -124,30 +158,35 @@ class ConvergenceWatch:
             if not recent or not early:
                 continue
             e, latest = statistics.median(early), statistics.median(recent)
-            # the standard error of a difference of two window medians: σ ≈ 1.4826 MAD of the
-            # values about their own window's median; a median's error ≈ 1.2533 σ / √n
-            sigma = 1.4826 * _pooled_mad(early, recent)
-            noise = NOISE_SE * 1.2533 * sigma * math.sqrt(1 / len(early) + 1 / len(recent))
+            noise = self._noise(early, recent)
             change = (latest - e) / e if e else 0.0
+            fall_h = noise_h = None
             if latest - e > max(self.diverge_frac * abs(e), noise):
                 trend = DIVERGING
             elif e - latest > max(self.stall_frac * abs(e), noise):
                 trend = LEARNING
+            elif (flat := self._flat(k))[0] + flat[1] < self.stall_frac:
+                fall_h, noise_h = flat[0], flat[1]
+                trend = STALLED  # shown: the loss does not fall by stall_frac (flat, or rising below diverge_frac)
             else:
-                trend = STALLED
-            fig = {"early": e, "latest": latest, "change": change, "noise": noise, "trend": trend}
+                fall_h, noise_h, trend = flat[0], flat[1], UNSURE
+            fig = {"early": e, "latest": latest, "change": change, "noise": noise, "trend": trend,
+                   "halves_fall": fall_h, "halves_noise": noise_h}
             if k == "loss":
                 overall = change
                 if len(self.early) > 1:
                     continue  # the positions decide; the total is the headline figure
             per[k] = fig
         trends = {p["trend"] for p in per.values()}
-        found = DIVERGING if DIVERGING in trends else LEARNING if LEARNING in trends else STALLED
-        # the first check sets the trend; a change after it must show in two checks in a row (one
-        # window's median of a noisy loss crosses the noise bound now and then)
-        if self.state == WARMING_UP or found == self.state or found == self.pending:
+        found = (DIVERGING if DIVERGING in trends else LEARNING if LEARNING in trends
+                 else STALLED if trends == {STALLED} else UNSURE)
+        # a trend a run may be stopped on must show in two checks in a row (one window's median of
+        # a noisy loss crosses the noise bound now and then; and never at the first check)
+        if found not in CONFIRMED_TWICE or found == self.state or found == self.pending:
             self.state, self.pending = found, None
         else:
             self.pending = found
+            if self.state == WARMING_UP:
+                self.state = UNSURE
         self.last = Check(step=step, state=self.state, window=self.window, positions=per, overall_change=overall)
         return self.last
