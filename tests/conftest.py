@@ -31,6 +31,29 @@ def tiny_params(**sections):
     return parse_params(raw)
 
 
+def train_command(built, params, params_path: Path, out: Path) -> list[str]:
+    """`draftlab train` as a user types it (`python -m draftlab.cli`) on the session's target,
+    dataset and store (the `built` fixture), with `params` (Params or a raw dict) written to
+    `params_path` first."""
+    import sys
+
+    import yaml
+
+    _, target_dir, data_dir, store_dir = built
+    params_path.write_text(yaml.safe_dump(params if isinstance(params, dict) else params.model_dump()))
+    return [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
+            "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+
+
+def trial_params(params) -> dict:
+    """The raw params a sweep over the session's store starts from: one short epoch at the tiny
+    sizes, evaluate on 4 short prompts."""
+    raw = params.model_dump()
+    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64, "num_workers": 0})
+    raw["evaluate"].update({"num_prompts": 4, "max_new_tokens": 12})
+    return raw
+
+
 class RecordingTracker:
     """A Tracker (draftlab.tracking) that keeps every call."""
 
@@ -77,6 +100,17 @@ def store_uri(migrated_mlflow_store, tmp_path) -> str:
 
     shutil.copy(migrated_mlflow_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def mlflow_store(store_uri, monkeypatch):
+    """This test's own migrated MLflow store as the one every process of the test writes to
+    (MLFLOW_TRACKING_URI for children, mlflow's own URI for this one): a client of it."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    mlflow.set_tracking_uri(store_uri)
+    return mlflow.MlflowClient(store_uri)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 `Tracker` has log_params / log_metrics(step) / log_artifact / set_tags. `MlflowTracker` writes
 to an MLflow run (the default store is `sqlite:///mlflow.db` in the repo; `MLFLOW_TRACKING_URI`
 points it at a team server). One owner starts and ends a run: the launcher process. Every
-MLflow client is built here, with the tracking URI named (`client()`); `experiment_id()` makes
-the experiment a model-training one; `ui_url()` is the link draftlab prints.
+MLflow client is built here, with the tracking URI named (`client()`; tests/unit/test_contracts.py
+holds that); `experiment_id()` makes the experiment a model-training one; `open_run()` opens a run
+folder's run or finds it again after a kill; `ui_url()` is the link draftlab prints.
 
 If the tracking server cannot be reached, `MlflowTracker` keeps going: every call is appended
 to a local JSONL spool (draftlab.rundir.SpoolRecord), the server is tried again every
@@ -329,14 +330,47 @@ def spool_beside(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.tracking-spool.jsonl"
 
 
+def open_run(state, key: str, console, tags: dict[str, str] | None = None,
+             stage: str = "train") -> tuple[str, bool]:
+    """The MLflow run of a run folder whose record is `state` (RunDir.run, run.json): the same one again after
+    a kill (same key, run still in the store), else a new one, recorded there. (run id, resumed)."""
+    from draftlab.rundir import RunState
+
+    mlflow_client = client()
+    prev = state.read_or_none()
+    if prev is not None and prev.key == key:
+        try:
+            mlflow_client.get_run(prev.run_id)
+            return prev.run_id, True
+        except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
+            console.print(f"[yellow]{stage}[/]: MLflow run {prev.run_id} not found; starting a new one")
+    tags = dict(tags or {})
+    name = tags.pop("mlflow.runName", None) or run_name(stage)
+    run = mlflow_client.create_run(experiment_id(mlflow_client), tags=tags, run_name=name)
+    state.write(RunState(key=key, run_id=run.info.run_id))
+    return run.info.run_id, False
+
+
+def last_step(run_id: str, metric: str) -> int:
+    """The last step of `metric` the run has logged; -1 when none, or the store cannot be read."""
+    try:
+        history = client().get_metric_history(run_id, metric)
+    except Exception:  # noqa: BLE001
+        return -1
+    return max((m.step for m in history), default=-1)
+
+
 @contextlib.contextmanager
-def system_metrics(run_id: str):
-    """MLflow's system-metrics sampler on run `run_id` while the block runs (a fluent run). The
+def system_metrics(run_id: str, interval_s: float | None = None):
+    """MLflow's system-metrics sampler on run `run_id` while the block runs (a fluent run), every
+    `interval_s` (MLflow's default: 10 s). The
     run's status stays its owner's (MlflowTracker.end): an unreachable server at the start costs
     the samples, at the end nothing (MLflow's own end_run would raise there)."""
     import mlflow
     from mlflow.tracking import fluent
 
+    if interval_s is not None:
+        mlflow.set_system_metrics_sampling_interval(interval_s)
     try:
         mlflow.set_tracking_uri(tracking_uri())
         mlflow.start_run(run_id=run_id, log_system_metrics=True)

@@ -31,14 +31,10 @@ t.FileTransfer.get_cached = get_cached
 '''
 
 
-def test_slow_data_source_is_called_data_bound(built, tmp_path, monkeypatch):
-    import mlflow
-
+def test_slow_data_source_is_called_data_bound(built, tmp_path, mlflow_store, monkeypatch):
     from draftlab.params import parse_params
     from draftlab.stages import train
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     params, target_dir, data_dir, store_dir = built
     raw = params.model_dump()
     raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64,
@@ -47,7 +43,7 @@ def test_slow_data_source_is_called_data_bound(built, tmp_path, monkeypatch):
 
     def verdict(out):
         result = train.run(p, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out)
-        return mlflow.MlflowClient(uri).get_run(result.run_id).data.tags["draftlab.bottleneck"]
+        return mlflow_store.get_run(result.run_id).data.tags["draftlab.bottleneck"]
 
     site = tmp_path / "site"
     site.mkdir()

@@ -9,28 +9,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-import yaml
+from tests.conftest import train_command
 from tests.waiting import wait_for
 
 
-def test_two_nodes_one_job_kill9_of_either_launcher_then_both_resume(built, tmp_path, monkeypatch):
+def test_two_nodes_one_job_kill9_of_either_launcher_then_both_resume(built, tmp_path, store_uri, monkeypatch):
     from tests.postgres import free_port
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store_uri  # this test's own migrated store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    params, target_dir, data_dir, store_dir = built
+    params = built[0]
     raw = params.model_dump()
     raw["train"].update({"epochs": 3, "total_seq_len": 96, "draft_vocab_size": 64, "lr": 3e-3, "num_workers": 0,
                          "gpus": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})
     out = tmp_path / "shared" / "run"  # the folder both "hosts" see
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))  # node_rank 0: the owner's params
-    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(tmp_path / "params.yaml"),
-           "--target", str(target_dir), "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+    cmd = train_command(built, raw, tmp_path / "params.yaml", out)  # node_rank 0: the owner's params
     cmds, logs = [cmd, cmd + ["--node-rank", "1"]], []  # what a user types on each host
 
     started = []

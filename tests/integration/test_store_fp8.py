@@ -1,6 +1,5 @@
 """fp8 stores on the tiny pipeline: hs_connectors' layout, read back by speculators, verify names a file of another dtype."""
 
-import json
 
 import pytest
 import torch

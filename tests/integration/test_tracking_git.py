@@ -1,19 +1,12 @@
 """git provenance tags against a real git repository."""
 
-import subprocess
+from tests.checkout import git_commit
 
 
 def test_git_dirty_ignores_pipeline_outputs(tmp_path):
     from draftlab.tracking import git_tags
 
-    def git(*a):
-        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "dvc.lock").write_text("a")
-    (tmp_path / "src.py").write_text("a")
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    git_commit(tmp_path, {"dvc.lock": "a", "src.py": "a"})
     (tmp_path / "dvc.lock").write_text("b")
     tags = git_tags(tmp_path)
     assert tags["git.dirty"] == "false" and len(tags["git.commit"]) == 40
@@ -28,14 +21,7 @@ def test_a_dvc_experiments_params_are_the_experiment_not_dirt(tmp_path, monkeypa
 
     from draftlab.tracking import git_tags, run_name
 
-    def git(*a):
-        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "params.yaml").write_text("train:\n  lr: 0.001\n")
-    (tmp_path / "src.py").write_text("a")
-    git("add", "-A")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    git_commit(tmp_path, {"params.yaml": "train:\n  lr: 0.001\n", "src.py": "a"})
     (tmp_path / "params.yaml").write_text("train:\n  lr: 0.002\n")  # what `-S train.lr=0.002` does
     assert git_tags(tmp_path)["git.dirty"] == "true", "outside an experiment a params edit is a change"
     baseline = git_tags(tmp_path)["git.commit"]

@@ -7,11 +7,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-import yaml
 
 from draftlab.rundir import RunDir
 
@@ -23,16 +21,6 @@ def _train_params(built, **train):
     from draftlab.params import parse_params
 
     return parse_params(raw)
-
-
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    import mlflow
-
-    mlflow.set_tracking_uri(uri)
-    return mlflow.MlflowClient(uri)
 
 
 def _run(params, built, out_dir):
@@ -132,15 +120,11 @@ def test_kill_9_torchrun_then_launcher_no_rank_survives_and_rerun_resumes(built,
     """kill -9 torchrun mid-training: its ranks (each in a session of its own) die within seconds
     and the launcher fails; the rerun resumes; kill -9 that launcher: again no rank survives; the
     third run resumes from the last checkpoint in the same MLflow run and logs no step twice."""
-    from tests.conftest import train_ranks_of
+    from tests.conftest import train_command, train_ranks_of
 
     params = _train_params(built, epochs=3, total_seq_len=96)
-    _, target_dir, data_dir, store_dir = built
-    params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump(params.model_dump()))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
-           "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+    cmd = train_command(built, params, tmp_path / "params.yaml", out)
     env = dict(os.environ)
 
     def start_until(checkpoint: str):

@@ -6,10 +6,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
-import yaml
 
 from draftlab.rundir import RunDir
 
@@ -17,26 +15,19 @@ WORLD_SIZE = int(os.environ.get("DRAFTLAB_TEST_WORLD_SIZE", "4"))
 
 
 def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_each_step_once(built, tmp_path,
-                                                                                          monkeypatch):
-    import mlflow
-
+                                                                                          mlflow_store):
     from draftlab.params import parse_params
     from draftlab.plan import accounting as acc
     from draftlab.training.job import observed_samples, train_split
-    from tests.conftest import train_ranks_of
+    from tests.conftest import train_command, train_ranks_of
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    store = mlflow.MlflowClient(uri)
+    store = mlflow_store
     raw = built[0].model_dump()
     raw["train"].update({"gpus": WORLD_SIZE, "epochs": 3, "total_seq_len": 96, "draft_vocab_size": 64, "lr": 3e-3})
     params = parse_params(raw)
-    _, target_dir, data_dir, store_dir = built
-    params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump(params.model_dump()))
+    data_dir = built[2]
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path), "--target", str(target_dir),
-           "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+    cmd = train_command(built, params, tmp_path / "params.yaml", out)
 
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 1200  # a generous bound for a loaded 2-core host, not a speed check

@@ -1,6 +1,7 @@
 """A training job's pieces that the launcher (stages/train.py) and a joining node (training/nodes.py)
-both need: the run key, the exact step accounting, the checks before launch, the vocabulary maps
-and the trainer's argv. Nothing here starts a process or an MLflow run.
+both need: the run key, the exact step accounting, the checks before launch, the vocabulary maps,
+the trainer's argv and the ranks' command and environment (`rank_command`, built once for both).
+Nothing here starts a process or an MLflow run.
 """
 
 from __future__ import annotations
@@ -216,6 +217,35 @@ def check_cpu_flags(params: Params) -> None:
     if hit := reserved_flag(params.train.extra_args, CPU_TRAIN_FLAGS):
         raise ParamsError(f"train.extra_args: {hit[0]} sets {hit[1]}, which a CPU run sets itself (sdpa "
                           "attention, eager loss: the GPU kernels have no CPU backward); remove it")
+
+
+def rank_command(params: Params, *, target_dir: Path, data_dir: Path, source: HiddenStateSource, out_dir: Path,
+                 layer_ids: list[int], total_steps: int, device: str,
+                 run_id: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command and environment of this node's ranks, the same for node 0's launcher
+    and a joining node (training.nodes): speculators' flags, the run folder, this node's rank, the
+    tracking store; `run_id` (node 0's) as MLFLOW_RUN_ID, else none (a rank that writes reads it
+    from node 0's run.json). The vocabulary maps are node 0's (`vocab_mappings`, before this)."""
+    from draftlab import threads, tracking
+    from draftlab.models import resolve
+    from draftlab.training import launch
+
+    t = params.train
+    d2t, t2d = vocab_paths(params, target_dir, out_dir)
+    argv = speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir, source=source,
+                            out_dir=out_dir, layer_ids=layer_ids, total_steps=total_steps, d2t=d2t, t2d=t2d,
+                            device=device)
+    # the ranks on this node split this process's threads (torchrun would give each 1, or torch
+    # each one per core of the machine); everything else a rank needs is in the run folder's
+    # plan.json (rundir.RankPlan)
+    env = dict(threads.thread_env(t.gpus), DRAFTLAB_RUN_DIR=str(out_dir), DRAFTLAB_NODE_RANK=str(t.node_rank),
+               DRAFTLAB_PARENT_CMD="draftlab.training.torchrun", MLFLOW_TRACKING_URI=tracking.tracking_uri(),
+               **tracking.RANK_HTTP_ENV)
+    if run_id is not None:
+        env["MLFLOW_RUN_ID"] = run_id
+    else:
+        env.pop("MLFLOW_RUN_ID", None)
+    return launch.torchrun_cmd(params, argv), env
 
 
 def check_layer_ids(params: Params, manifest: Manifest, store_dir: Path | None = None) -> list[int]:

@@ -13,11 +13,12 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab import folder_lock, procs
 from draftlab.params import Params
-from draftlab.rundir import RunDir
+from draftlab.rundir import Launch, RunDir
 
 TERM_GRACE_S = 10
 
@@ -34,6 +35,44 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
     else:
         cmd.append("--standalone")
     return cmd + ["-m", "draftlab.training.rank", *argv]
+
+
+@dataclass
+class Ranks:
+    """How node 0's torchrun ended: its exit code, its wall and the launcher's CPU seconds, and
+    the telemetry sampler whose windows the bottleneck verdict reads."""
+
+    rc: int
+    wall_s: float
+    launcher_cpu_s: float
+    sampler: object
+
+
+def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Path, tracker, run_id: str,
+              console, device: str) -> Ranks:
+    """Node 0's torchrun under its observers (MLflow's system metrics, draftlab's telemetry and
+    live verdict), recorded in the run folder (launch.json) while it runs; a rank that outlived
+    it (it should not) is stopped after."""
+    from draftlab import threads, tracking
+    from draftlab.observe import telemetry
+    from draftlab.observe.live import LiveVerdict
+
+    started = time.perf_counter()
+    launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
+    with tracking.system_metrics(run_id, interval_s=2):
+        threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
+        sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
+        live_verdict = LiveVerdict(sampler, rd.path, tracker, console=console, device=device).start()  # observe.live
+        try:
+            procs.clear_recorded(rd.path)
+            rd.rank_done.unlink()
+            rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file().write(Launch(pgid=p.pid)))
+        finally:
+            live_verdict.stop()
+            sampler.stop()
+            procs.kill_recorded(rd.path)  # a rank that outlived torchrun (it should not) goes now
+    rd.launch_file().unlink()
+    return Ranks(rc, time.perf_counter() - started, time.process_time() - launcher_cpu, sampler)
 
 
 @contextmanager

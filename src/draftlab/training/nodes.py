@@ -87,12 +87,10 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
     """A node other than 0: run this node's ranks of the job node 0 owns."""
     import socket
 
-    from draftlab import procs, threads
+    from draftlab import procs
     from draftlab.console import console
-    from draftlab.models import resolve
     from draftlab.params import ParamsError
     from draftlab.store import layout as store
-    from draftlab.tracking import RANK_HTTP_ENV, tracking_uri
     from draftlab.training import job as tr
     from draftlab.training import launch
 
@@ -107,14 +105,9 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
         console.print(f"[bold]train[/]: node {node} of {t.nnodes}: {t.gpus} rank(s) joining the rendezvous at "
                       f"{t.rdzv_endpoint}; node 0 owns the MLflow run and checks the accounting "
                       f"(world size {a.world_size}, {a.total_steps} steps)")
-        d2t, t2d = tr.vocab_paths(params, target_dir, out_dir)  # node 0 writes them before it launches
-        argv = tr.speculators_argv(params, verifier=resolve(params, target_dir), data_dir=data_dir,
-                                   source=source, out_dir=out_dir, layer_ids=layer_ids,
-                                   total_steps=a.total_steps, d2t=d2t, t2d=t2d, device=device)
-        cmd = launch.torchrun_cmd(params, argv)
-        env = dict(threads.thread_env(t.gpus), DRAFTLAB_RUN_DIR=str(out_dir), DRAFTLAB_NODE_RANK=str(node),
-                   DRAFTLAB_PARENT_CMD="draftlab.training.torchrun", MLFLOW_TRACKING_URI=tracking_uri(), **RANK_HTTP_ENV)
-        env.pop("MLFLOW_RUN_ID", None)  # a rank that writes reads the run id from node 0's run.json
+        # node 0 writes the vocabulary maps before it launches; the run id reaches the writing rank by run.json
+        cmd, env = tr.rank_command(params, target_dir=target_dir, data_dir=data_dir, source=source, out_dir=out_dir,
+                                   layer_ids=layer_ids, total_steps=a.total_steps, device=device)
         wait_for_rendezvous(t.rdzv_endpoint, console)
         # node 0 wrote run.json before it opened the rendezvous: the same params and data, or no job
         state = rd.run.read_or_none()
