@@ -23,6 +23,8 @@ pydantic model here, and its name is known only here:
     <run>/samples/rank<r>.jsonl     (lines)        each rank's sampler → the launcher's sharding check
     <run>/profile/rank<r>.jsonl     (lines)        each rank's step profile → telemetry's verdict, timing
     <run>/pids/<name>.json          (procs)        each process's pid → stop_orphans after a kill
+    <run>/checkpoints/<epoch>/      (speculators)  a complete checkpoint: written aside, then renamed
+                                                   (training.checkpoint; `draftlab-complete.json` last)
     <run>/bottleneck.json           (telemetry)    the bottleneck verdict and its evidence
     <run>/bottleneck-live.json      (observe.live) the launcher's latest window → `draftlab status`
     <prepared>/prepare.json         PrepareRecord  prepare's counts and drops (summary, tests)

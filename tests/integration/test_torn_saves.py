@@ -259,3 +259,47 @@ def test_a_full_disk_in_the_middle_of_an_extraction_is_one_line_and_a_rerun_comp
         assert (out / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
     manifest = StoreDir(out).manifest.read()
     assert sorted(f.index for f in manifest.files) == list(range(manifest.num_files))
+
+
+@pytest.mark.parametrize("which", ["spool", "journal"])
+def test_a_full_disk_in_the_middle_of_an_append_loses_and_repeats_nothing(small_disk, which):
+    """A write that fills the disk half-way through a line (tmpfs fills the file's last page, then
+    has none): the line is left torn, the error says the disk is full; with space again, the next
+    append trims the torn line and follows the last whole record."""
+    from draftlab.rundir import append_spool, read_spool
+    from draftlab.store.layout import Journal
+
+    def rec(i, pad=0):
+        return {"index": i, "name": f"hs_{i}.safetensors", "bytes": 1, "sha256": "x" * pad, "tokens": 1}
+
+    if which == "spool":
+        path = small_disk / "run" / "tracking-spool.jsonl"
+
+        def append(i, pad=0):
+            append_spool(path, {"run_id": "r", "kind": "tags", "tags": {"i": str(i), "pad": "x" * pad}})
+
+        def records():
+            return [int(r.tags["i"]) for r in read_spool(path)]
+    else:
+        journal = Journal.open(small_disk / "store", "key")
+        path = journal.path
+
+        def append(i, pad=0):
+            Journal.open(small_disk / "store", "key").record([rec(i, pad)])
+
+        def records():
+            return sorted(Journal.open(small_disk / "store", "key").done)
+
+    append(0)
+    append(1)
+    filler = _fill(small_disk, 0)  # the file's last page still has room, no other page is free
+    with pytest.raises(OSError) as err:
+        append(2, pad=8000)
+    assert err.value.errno == 28  # ENOSPC: what the stage turns into its one line
+    assert not path.read_bytes().endswith(b"\n"), "the write was cut in the middle of its line"
+    assert records() == [0, 1], "the torn line is not a record; the whole ones are all there"
+    filler.unlink()
+    append(2, pad=8000)
+    append(3)
+    assert records() == [0, 1, 2, 3], "nothing lost, nothing twice"
+    assert path.read_bytes().endswith(b"\n")

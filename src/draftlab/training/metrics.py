@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftlab import appendlog
 from draftlab.rundir import RunDir
 
 
@@ -21,7 +22,7 @@ def read(run_dir: Path) -> dict[int, dict]:
     steps: dict[int, dict] = {}
     if not path.exists():
         return steps
-    for line in path.read_text().splitlines():
+    for line in appendlog.complete_lines(path):
         try:
             rec = json.loads(line)
         except ValueError:  # a line torn by a kill: the step is redone and written again
@@ -35,18 +36,13 @@ class StepWriter:
 
     def __init__(self, run_dir: Path):
         self.path = RunDir(Path(run_dir)).step_metrics_path
-        if self.path.exists():
-            data = self.path.read_bytes()
-            if data and not data.endswith(b"\n"):  # torn by a kill mid-line
-                with open(self.path, "r+b") as f:
-                    f.truncate(data.rfind(b"\n") + 1)
+        appendlog.trim_partial_line(self.path)  # torn by a kill or a full disk mid-line
         self.last = max(read(run_dir), default=-1)
 
     def write(self, step: int, metrics: dict) -> None:
         if step <= self.last:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        appendlog.append(self.path, {"step": step, **metrics})  # after a torn line of a failed write, trimmed
         self.last = step
 
 
