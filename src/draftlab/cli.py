@@ -46,7 +46,9 @@ def command(*args, **kwargs):
             except (UserError, FileNotFoundError) as err:
                 from draftlab.console import console
 
-                console.print(f"[red]error[/]: {err}", soft_wrap=True)
+                from draftlab import redact
+
+                console.print(f"[red]error[/]: {redact.text(str(err))}", soft_wrap=True)
                 raise typer.Exit(getattr(err, "exit_code", 2)) from None
 
         return app.command(*args, **kwargs)(run)
@@ -430,7 +432,9 @@ def tracking_import(
         except Exception as err:  # noqa: BLE001 — the server is away again: nothing is lost, import again later
             from draftlab.errors import HostError
 
-            raise HostError(f"{spool}: MLflow refused the upload ({type(err).__name__}: {str(err)[:200]}); the spool "
+            from draftlab import redact
+
+            raise HostError(f"{spool}: MLflow refused the upload ({type(err).__name__}: {redact.text(str(err))[:200]}); the spool "
                             "is kept: run `draftlab tracking-import` again once the server answers") from None
         spool.rename(spool.with_suffix(".imported.jsonl"))
         console.print(f"[bold]tracking[/]: {n} records uploaded from {spool}")

@@ -19,19 +19,52 @@ from draftlab.rundir import Manifest
 
 
 def resolve(params: Params, target_dir: Path) -> str:
-    """Where the target loads from: the built tiny folder, a local folder, or a hub id."""
+    """Where the target loads from: the built tiny folder, a local folder, or a hub id. A hub
+    target pinned by `target.revision` whose commit is in the hub cache resolves to that
+    commit's snapshot folder, so whatever loads it (the trainer's verifier, vLLM) reads the
+    pinned files even where it takes no revision."""
     t = params.target
     if t.source == "tiny":
         if not (Path(target_dir) / "config.json").exists():
             raise MissingInput(f"{target_dir}: the tiny target is not built; run `dvc repro target`")
         return str(target_dir)
-    return str(Path(t.path).expanduser()) if t.source == "local" else t.path
+    if t.source == "local":
+        return str(Path(t.path).expanduser())
+    check_pinned(params)
+    if t.revision is not None:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return snapshot_download(t.path, revision=t.revision, local_files_only=True)
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            pass  # not cached yet: its first load fetches it, by revision (revision_kwargs)
+    return t.path
+
+
+def check_pinned(params: Params) -> None:
+    """A hub target's remote code runs only at a commit the user named. Checked before every
+    load (not at params load: `draftlab plan` and `use` read a profile that loads nothing)."""
+    t = params.target
+    if t.source == "hub" and t.trust_remote_code and t.revision is None:
+        raise ParamsError("target.trust_remote_code: runs the hub's code for target.path at every load, and "
+                          "without target.revision that is whatever the hub holds that day; set target.revision "
+                          "to the commit hash you reviewed")
+
+
+def revision_kwargs(params: Params) -> dict:
+    """What every `from_pretrained` of the target passes: trust_remote_code and, for a hub
+    target, the pinned revision (code, config, tokenizer and weights at one commit)."""
+    check_pinned(params)
+    t = params.target
+    pinned = {"revision": t.revision} if t.source == "hub" and t.revision else {}
+    return {"trust_remote_code": t.trust_remote_code, **pinned}
 
 
 def load_tokenizer(params: Params, target_dir: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
+    return AutoTokenizer.from_pretrained(resolve(params, target_dir), **revision_kwargs(params))
 
 
 def load_target(params: Params, target_dir: Path, *, device: str = "cpu", device_map: str | None = None):
@@ -42,11 +75,11 @@ def load_target(params: Params, target_dir: Path, *, device: str = "cpu", device
 
     t = params.target
     where = resolve(params, target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=t.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(where, **revision_kwargs(params))
     model = AutoModelForCausalLM.from_pretrained(
         where,
         dtype=getattr(torch, t.dtype),
-        trust_remote_code=t.trust_remote_code,
+        **revision_kwargs(params),
         attn_implementation="sdpa",
         **({"device_map": device_map} if device_map else {}),
     )

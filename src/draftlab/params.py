@@ -106,14 +106,25 @@ class Target(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the target runs in during extraction and evaluation."
     )
-    trust_remote_code: StrictBool = Field(False, description="Pass trust_remote_code to transformers.")
+    revision: str | None = Field(
+        None, description="Hub targets: the commit hash (40 hex digits) every load uses (transformers, vLLM, "
+        "the trainer's verifier) and the store's and run's keys include; required with trust_remote_code "
+        "before anything loads, since that code would otherwise be the hub's current one at every load.")
+    trust_remote_code: StrictBool = Field(False, description="Pass trust_remote_code to transformers (a hub "
+                                          "target needs target.revision with it).")
     tiny: TinyTarget = Field(default_factory=TinyTarget, description="Used when source is `tiny`.")
 
     @model_validator(mode="after")
     def _path_for_real_targets(self) -> Target:
         if self.source != "tiny" and not self.path:
             raise ValueError(f"a {self.source} target needs target.path")
-        return self
+        if self.revision is not None:
+            if self.source != "hub":
+                raise ValueError(f"revision: only a hub target has one (this one is {self.source}); remove it")
+            if not re.fullmatch(r"[0-9a-f]{40}", self.revision):
+                raise ValueError(f"revision: {self.revision!r} is not a commit hash (a branch or tag can move); "
+                                 f"give the 40-hex commit from https://huggingface.co/{self.path}/commits/main")
+        return self  # trust_remote_code without a revision: refused before any load (models.revision_kwargs)
 
 
 class Data(Section):

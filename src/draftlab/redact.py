@@ -12,9 +12,12 @@ hides a database URL's password, the same `***` it prints in its own logs.
 
 from __future__ import annotations
 
+import os
+import re
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 HIDDEN = "***"
+URL_WITH_SECRET = re.compile(r"[A-Za-z][\w+.-]*://[^\s'\"<>]*(?:@|password=|token=)[^\s'\"<>]*")
 # libpq and most drivers also take a password as a query parameter (`?password=…`)
 SECRET_KEYS = {"password", "passwd", "pwd", "sslpassword", "token", "access_token", "secret"}
 DB_SCHEMES = ("postgresql", "postgres", "mysql", "mariadb", "sqlite", "mssql", "oracle", "cockroachdb")
@@ -79,8 +82,10 @@ def passwords(value: str) -> list[str]:
 
 def text(message: str, *urls: str) -> str:
     """`message` with each of `urls` shown redacted and their passwords, wherever else they
-    appear (a driver quoting its connection string), replaced by ***."""
-    for u in urls:
+    appear (a driver quoting its connection string), replaced by ***; any other URL in it that
+    carries a password, and the tracking URI's password, too (the CLI's error line uses this)."""
+    message = URL_WITH_SECRET.sub(lambda m: url(m.group(0)), message)
+    for u in (*urls, os.environ.get("MLFLOW_TRACKING_URI", "")):
         if not isinstance(u, str):
             continue
         message = message.replace(u, url(u))

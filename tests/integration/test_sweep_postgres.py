@@ -10,6 +10,7 @@ assertion depends on how fast anything runs."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -188,11 +189,30 @@ def tracking_server(postgres_cluster, tmp_path):
     server.stop()
 
 
+def _sinks_holding(secrets: list[str], *, text: str, folders: list[Path], study, runs: list[dict]) -> list[str]:
+    """Where any of `secrets` shows: the process's output, any file under `folders`, the study's
+    and its trials' attributes, the MLflow runs' params and tags."""
+    found = [f"output: {s}" for s in secrets if s in text]
+    for folder in folders:
+        for path in (p for p in folder.rglob("*") if p.is_file()):
+            data = path.read_bytes()
+            found += [f"{path}: {s}" for s in secrets if s.encode() in data]
+    attrs = json.dumps([study.user_attrs, getattr(study, "system_attrs", {}),  # Optuna 5 keeps no study system attrs
+                        *[[t.user_attrs, t.system_attrs, t.params] for t in study.get_trials()]], default=str)
+    found += [f"Optuna attributes: {s}" for s in secrets if s in attrs]
+    for run in runs:
+        data = json.dumps(run["data"])
+        found += [f"MLflow run {run['info']['run_id']} params/tags: {s}" for s in secrets if s in data]
+    return found
+
+
 def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_path, postgres_url, tracking_server):
     """`draftlab sweep` with a postgresql:// storage runs a real trial (train under torchrun +
-    evaluate) and logs it to compose's MLflow server (PostgreSQL store, proxied artifacts): the
-    nested trial run's params, metrics and artifacts are readable through the REST API. The
-    calibration is given, so the one trial is the search trial."""
+    evaluate) and logs it to compose's MLflow server (PostgreSQL store, proxied artifacts, a
+    login): the nested trial run's params, metrics and artifacts are readable through the REST
+    API. The calibration is given, so the one trial is the search trial. The database password
+    (in the storage URL, as a user would type it) and the MLflow password (in the environment)
+    are planted secrets: neither shows in any sink draftlab writes."""
     import optuna
     import requests
 
@@ -212,11 +232,15 @@ def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_
     study = optuna.create_study(study_name="real", storage=postgres_url, direction="maximize")
     calibration.save(study, Point(1, fixed_s=30, step_s=0.5, epoch_s=2, tokens_per_s=500, steps=21, epochs=2,
                                   wall_s=45, source="stated", after_s=10))
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_server.url, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_server.url, HF_HUB_OFFLINE="1", **tracking_server.login_env)
     cmd = [sys.executable, "-m", "draftlab.cli", "sweep", "space.yaml", "--target", str(target_dir),
            "--data", str(data_dir), "--store", str(store_dir), "--out", "sweeps", "--n-trials", "1"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
+    from tests.postgres import PASSWORD
+
+    assert f":{PASSWORD}@" in postgres_url, "the database password is in the URL the sweep was given"
+    assert "postgresql://draftlab:***@127.0.0.1" in done.stdout + done.stderr, "the storage is named, its password hidden"
     trials = _load(postgres_url, "real").get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE"]
     assert _load(postgres_url, "real").metric_names == ["eval/simulated_acc_len"]
@@ -230,20 +254,23 @@ def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_
 
     # --- the trial's run, read back through the server's REST API
     api = f"{tracking_server.url}/api/2.0/mlflow"
-    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, timeout=30).json()["run"]
+    auth = tracking_server.auth
+    run = requests.get(f"{api}/runs/get", params={"run_id": run_id}, auth=auth, timeout=30).json()["run"]
     assert run["info"]["status"] == "FINISHED"
     assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:"), "artifacts go through the server"
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     parent = tags["mlflow.parentRunId"]
-    assert requests.get(f"{api}/runs/get", params={"run_id": parent}, timeout=30).json()["run"]["info"]["status"] \
-        == "FINISHED", "the sweep's parent run, ended"
+    parent_run = requests.get(f"{api}/runs/get", params={"run_id": parent}, auth=auth, timeout=30).json()["run"]
+    assert parent_run["info"]["status"] == "FINISHED", "the sweep's parent run, ended"
+    assert {t["key"]: t["value"] for t in parent_run["data"]["tags"]}["optuna.storage"].startswith(
+        "postgresql://draftlab:***@127.0.0.1:"), "the study's storage, recorded without its password"
     assert tags["draftlab.accounting"] == "verified"
     assert "train.resolved_lr" in {p["key"] for p in run["data"]["params"]}
     assert {"train/loss", "eval/simulated_acc_len", "eval/measured_acc_len"} <= {m["key"] for m in run["data"]["metrics"]}
 
     def listed(run, path=None):
         body = requests.get(f"{api}/artifacts/list", params={"run_id": run, **({"path": path} if path else {})},
-                            timeout=30).json()
+                            auth=auth, timeout=30).json()
         return {f["path"] for f in body.get("files", [])}
 
     assert {"accounting.json", "checkpoint", "evaluate"} <= listed(run_id)
@@ -251,3 +278,10 @@ def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_
     assert {"evaluate/acceptance_by_position.png", "evaluate/loss_per_ttt_step.png"} <= listed(run_id, "evaluate")
     assert "sweep/trials.csv" in listed(parent, "sweep")
     assert list((tmp_path / "mlartifacts").rglob("model.safetensors")), "stored in --artifacts-destination"
+
+    # --- no secret left the shell: the sweep's output, its folders (report, trial folders, run
+    # folders, spools), the artifacts it uploaded, the study's attributes, the runs' params and tags
+    leaks = _sinks_holding([PASSWORD, tracking_server.auth[1]], text=done.stdout + done.stderr,
+                           folders=[tmp_path / "sweeps", tmp_path / "mlartifacts"],
+                           study=_load(postgres_url, "real"), runs=[run, parent_run])
+    assert not leaks, leaks

@@ -60,3 +60,30 @@ def test_a_storage_that_cannot_be_opened_says_so_without_the_password():
     with pytest.raises(SpaceError) as err:
         StudyStorage(f"postgresql://draftlab:{SECRET}@127.0.0.1:1/optuna")
     assert SECRET not in str(err.value) and "postgresql://draftlab:***@127.0.0.1:1/optuna" in str(err.value)
+
+
+def test_any_url_with_a_password_in_an_error_line_is_hidden(monkeypatch):
+    """The CLI's one error line passes through redact.text: a URL quoted by a library (a driver's
+    DSN, a tracking server's address) loses its password even where draftlab did not build the line."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://alice:{SECRET}@mlflow.example")
+    line = redact.text(f"cannot reach https://alice:{SECRET}@mlflow.example/api (also postgresql://u:{SECRET}x@db/o "
+                       f"and host=db password={SECRET})")
+    assert SECRET not in line and "https://alice:***@mlflow.example/api" in line and "postgresql://u:***@db/o" in line
+
+
+def test_the_cli_error_line_hides_a_password_mlflow_quotes(tmp_path):
+    """MLflow's own exception quotes the tracking URI whole ("API request to http://alice:…@…
+    failed"); `draftlab tracking-import` used to print it in its error line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spool = tmp_path / "spool.jsonl"
+    spool.write_text(json.dumps({"run_id": "abc", "kind": "tags", "tags": {"a": "b"}}) + "\n")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"http://alice:{SECRET}@127.0.0.1:1", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    done = subprocess.run([sys.executable, "-m", "draftlab.cli", "tracking-import", str(spool)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2 and "MLflow refused the upload" in out, out
+    assert SECRET not in out and "alice:***@127.0.0.1:1" in out

@@ -54,7 +54,8 @@ def target_config(params: Params, target_dir: Path) -> tuple[dict | None, str]:
         return (json.loads(path.read_text()), str(path)) if path.is_file() else (None, str(path))
     from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(t.path, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE"))
+    cached = try_to_load_from_cache(t.path, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE"),
+                                    revision=t.revision)
     if isinstance(cached, str) and Path(cached).is_file():
         return json.loads(Path(cached).read_text()), f"{cached} (hub cache)"
     return None, f"the hub cache for {t.path!r}"

@@ -108,7 +108,7 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
     loaded, no store moved, no MLflow run): the layer ids, the store key."""
     from transformers import AutoConfig
 
-    from draftlab.models import resolve
+    from draftlab.models import resolve, revision_kwargs
 
     placement, processes, device_map = None, 1, None
     if params.extract.backend == "hf":
@@ -121,7 +121,7 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
         vllm_extract.preflight(params)  # a GPU and a vllm executable to start the server with
     if not (Path(data_dir) / "dataset_info.json").exists():
         raise MissingInput(f"{data_dir}: no prepared dataset; run `dvc repro prepare`")
-    cfg = AutoConfig.from_pretrained(resolve(params, target_dir), trust_remote_code=params.target.trust_remote_code)
+    cfg = AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params))
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layer_ids = resolve_layer_ids(params.extract.layer_ids, cfg.num_hidden_layers)
     key_fields = {

@@ -23,7 +23,7 @@ def target_identity(params: Params, target_dir: Path) -> dict:
     """What makes one target differ from another, cheaply (no hashing of TB of weights)."""
     t = params.target
     if t.source == "hub":
-        return {"hub_id": t.path}
+        return {"hub_id": t.path, **({"revision": t.revision} if t.revision else {})}
     path = Path(resolve(params, target_dir))
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors", ".bin"))
     sig = {p.name: p.stat().st_size for p in files}

@@ -76,7 +76,13 @@ def server_command(params: Params, *, vllm: str, model: str, num_layers: int, hi
            "--tensor-parallel-size", str(e.vllm_tensor_parallel_size),
            "--gpu-memory-utilization", str(e.vllm_gpu_memory_utilization)]  # fmt: skip
     if params.target.trust_remote_code:
+        from draftlab.models import check_pinned
+
+        check_pinned(params)
         cmd.append("--trust-remote-code")
+    if params.target.source == "hub" and params.target.revision:  # weights, code and tokenizer at one commit
+        rev = params.target.revision
+        cmd += ["--revision", rev, "--code-revision", rev, "--tokenizer-revision", rev]
     return cmd
 
 
@@ -107,7 +113,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     """Hidden states of every prepared sample into `out_dir` through vLLM. `generate(cmd)` runs
     speculators' generator (default: a child process that must exit 0)."""
     from draftlab.console import console
-    from draftlab.models import resolve
+    from draftlab.models import resolve, revision_kwargs
     from draftlab.serve import serving
 
     generate = generate or _generate
@@ -119,7 +125,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     from transformers import AutoConfig
 
     model = resolve(params, target_dir)
-    config = AutoConfig.from_pretrained(model, trust_remote_code=params.target.trust_remote_code)
+    config = AutoConfig.from_pretrained(model, **revision_kwargs(params))
     config = getattr(config, "text_config", config)
     shared = shared_dir(out_dir)
     shared.mkdir(parents=True, exist_ok=True)

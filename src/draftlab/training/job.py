@@ -69,6 +69,8 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint", "watch"}),
               "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
+    if params.target.revision:  # the verifier the trainer loads (only when pinned: other keys stay as they were)
+        fields["target_revision"] = params.target.revision
     return store.store_key(fields)
 
 
@@ -142,9 +144,9 @@ def vocab_paths(params: Params, target_dir: Path, out_dir: Path) -> tuple[Path, 
     """Where vocab_mappings writes d2t/t2d (another node reads them from the shared folder)."""
     from transformers import AutoConfig
 
-    from draftlab.models import resolve
+    from draftlab.models import resolve, revision_kwargs
 
-    size = min(params.train.draft_vocab_size, AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size)
+    size = min(params.train.draft_vocab_size, AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params)).vocab_size)
     return out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
 
 
@@ -155,13 +157,13 @@ def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Pa
     import torch
     from transformers import AutoConfig
 
-    from draftlab.models import resolve
+    from draftlab.models import resolve, revision_kwargs
     from draftlab.pinned import speculators_module
 
     build_vocab_mappings_from_distribution = speculators_module(
         "train.vocab_mapping").build_vocab_mappings_from_distribution
 
-    vocab = AutoConfig.from_pretrained(resolve(params, target_dir)).vocab_size
+    vocab = AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params)).vocab_size
     freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
     size = min(params.train.draft_vocab_size, vocab)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
