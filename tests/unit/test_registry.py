@@ -113,9 +113,13 @@ def test_an_export_is_a_version_with_its_figures_and_its_alias_downloads_the_ver
     (again,) = mlflow_store.search_model_versions("name='tiny-eagle3'")
     assert again.tags["acceptance.measured"] == "1.500"
     assert len(mlflow_store.search_logged_models([mlflow_store.experiment])) == 1
+    # a model logged whose version never came (killed between the two): the model is reused
+    mlflow_store.delete_model_version("tiny-eagle3", "1")
+    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 2 ")
+    assert len(mlflow_store.search_logged_models([mlflow_store.experiment])) == 1
     # another draft: a new version
     (draft / "model.safetensors").write_bytes(b"other weights")
-    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 2 ")
+    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 3 ")
 
 
 def test_a_report_of_another_run_is_not_this_drafts_figures(layout, mlflow_store):
