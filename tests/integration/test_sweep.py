@@ -151,3 +151,13 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     again = optuna.load_study(study_name="again", storage=optuna.storages.JournalStorage(
         JournalFileBackend(str(tmp_path / "sweeps" / "again" / "journal.log"))))
     assert [t.user_attrs.get("role") for t in again.get_trials()] == ["search"], "no calibration trial needed"
+
+    # every completed search trial's draft is a version of the target's registered model, and the
+    # best one holds the alias best-<study>, with the command that loads it printed
+    versions = {v.run_id: v for v in client.search_model_versions("name='tiny-eagle3'")}
+    completed = [t for t in trials if t.state.name == "COMPLETE"]
+    assert {t.user_attrs["run_id"] for t in completed} <= set(versions)
+    best = max(completed, key=lambda t: t.value)  # the objective is maximized (eval/simulated_acc_len)
+    assert str(client.get_model_version_by_alias("tiny-eagle3", "best-it").version) == \
+        str(versions[best.user_attrs["run_id"]].version)
+    assert "mlflow artifacts download --artifact-uri 'models:/tiny-eagle3@best-it'" in " ".join(out.split())

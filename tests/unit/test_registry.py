@@ -114,9 +114,13 @@ def test_an_export_is_a_version_with_its_figures_and_its_alias_downloads_the_ver
     (again,) = mlflow_store.search_model_versions("name='tiny-eagle3'")
     assert again.tags["acceptance.measured"] == "1.500"
     assert len(mlflow_store.search_logged_models([mlflow_store.experiment])) == 1
+    # a model logged whose version never came (killed between the two): the model is reused
+    mlflow_store.delete_model_version("tiny-eagle3", "1")
+    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 2 ")
+    assert len(mlflow_store.search_logged_models([mlflow_store.experiment])) == 1
     # another draft: a new version
     (draft / "model.safetensors").write_bytes(b"other weights")
-    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 2 ")
+    assert _register(params, layout, run_id)[0].startswith("registered as tiny-eagle3 version 3 ")
 
 
 def test_a_report_of_another_run_is_not_this_drafts_figures(layout, mlflow_store):
@@ -257,3 +261,24 @@ def test_a_sweeps_end_names_its_best_and_says_how_to_load_it(layout, mlflow_stor
     assert "best-lr-search → tiny-eagle3 version 1" in said
     assert "mlflow artifacts download --artifact-uri 'models:/tiny-eagle3@best-lr-search'" in said
     assert str(mlflow_store.get_model_version_by_alias("tiny-eagle3", "best-lr-search").version) == "1"
+
+
+def test_the_registry_package_imports_what_its_docstring_allows():
+    """draftlab/registry/__init__: the shared core and `store.layout`; never a stage."""
+    import ast
+
+    import draftlab.registry
+
+    allowed = {"draftlab.params", "draftlab.rundir", "draftlab.tracking", "draftlab.errors", "draftlab.util",
+               "draftlab.console", "draftlab.store", "draftlab.store.layout", "draftlab.store.capture",
+               "draftlab.registry", "draftlab.registry.drafts", "draftlab.registry.lineage"}
+    found = set()
+    for path in Path(draftlab.registry.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "draftlab":
+                found.update(f"draftlab.{a.name}" for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("draftlab"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("draftlab"))
+    assert found <= allowed, f"imports beyond its contract: {sorted(found - allowed)}"

@@ -13,8 +13,8 @@ Every write goes through an `MlflowTracker` (`call`): during an outage it is a s
 (a version is found again by its folder's digest, an alias by its holder, an input by its
 dataset's name and digest).
 
-May import: the shared core (params, rundir, tracking, errors, util, console), `store.layout`,
-`store.capture` (the prepared data's fingerprint).
+May import: the shared core (params, rundir, tracking, errors, util, console), `store.layout` and
+`store.capture` (the dataset fingerprint).
 Never a stage.
 """
 

@@ -132,7 +132,7 @@ def register_export(params, tracker, *, draft_dir: Path, train_dir: Path, store_
 def register(client, *, run_id: str, path: str, digest: str, name: str, tags: dict[str, str],
              description: str) -> str:
     """The version of `name` holding the folder at `path` (digest `digest`), made if none is; its number."""
-    from mlflow.entities import LoggedModelOutput
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
@@ -153,7 +153,7 @@ def register(client, *, run_id: str, path: str, digest: str, name: str, tags: di
     run = client.get_run(run_id)
     model = next((m for m in client.search_logged_models([run.info.experiment_id],
                                                          filter_string=f"source_run_id = '{run_id}'")
-                  if m.tags.get(DIGEST_TAG) == digest and m.status.to_str() == "READY"), None)
+                  if m.tags.get(DIGEST_TAG) == digest and m.status == LoggedModelStatus.READY), None)
     if model is None:
         model = client.create_logged_model(run.info.experiment_id, name="draft", source_run_id=run_id,
                                            tags={DIGEST_TAG: digest, **tags}, model_type=MODEL_TYPE)
