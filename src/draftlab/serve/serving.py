@@ -87,6 +87,17 @@ def server_prefix(model: str, *, gpu: bool | None = None) -> list[str]:
     return prefix if gpu else [*prefix, "--enforce-eager"]
 
 
+def readme_command(serve_command: str, *, gpu: bool | None = None) -> list[str]:
+    """The `vllm serve TARGET …` line of an export's README as this host starts it: itself on a
+    CUDA host, the api_server module with the same arguments elsewhere (CPU, eager)."""
+    import shlex
+
+    words = shlex.split(serve_command)
+    if words[:2] != ["vllm", "serve"] or len(words) < 3:
+        raise ServingError(f"not a `vllm serve MODEL …` command: {serve_command}")
+    return [*server_prefix(words[2], gpu=gpu), *words[3:]]
+
+
 def server_env(env: dict | None = None) -> dict:
     """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it."""
     env = dict(os.environ if env is None else env)
