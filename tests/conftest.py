@@ -22,7 +22,9 @@ def tiny_params(**sections):
     from draftlab.params import parse_params
 
     raw = {
-        "target": {"tiny": {"pretrain_steps": 40, "hidden_size": 32, "intermediate_size": 64}},
+        # one head of size 32: the smallest vLLM's CPU attention serves (tests/integration/test_vllm_serving.py)
+        "target": {"tiny": {"pretrain_steps": 40, "hidden_size": 32, "intermediate_size": 64, "num_heads": 1,
+                            "num_kv_heads": 1}},
         "prepare": {"num_samples": 39, "max_seq_len": 96, "regenerate": True, "max_new_tokens": 24},
         "extract": {"batch_tokens": 512},
     }
@@ -240,6 +242,19 @@ def tests_keep_out_of_the_repos_mlflow_store(tmp_path_factory):
         os.environ["MLFLOW_TRACKING_URI"] = theirs
     if _repo_store_state() != before:
         pytest.fail(f"a test wrote into {REPO / 'mlflow.db'}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_server_records_in_tmp(tmp_path_factory):
+    """The records of the vLLM servers tests start (draftlab.serve.orphans) go to tmp, not to the
+    user's state folder, where a test's kill -9 orphan would be stopped by their next run."""
+    theirs = os.environ.get("DRAFTLAB_STATE_DIR")
+    os.environ["DRAFTLAB_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if theirs is None:
+        os.environ.pop("DRAFTLAB_STATE_DIR", None)
+    else:
+        os.environ["DRAFTLAB_STATE_DIR"] = theirs
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -135,7 +135,7 @@ def test_a_failed_generation_still_stops_the_server(fake_vllm, tmp_path):
 
 def test_a_server_that_dies_before_health_is_reported_with_its_log(fake_vllm, tmp_path):
     (fake_vllm / "mode").write_text("--die")
-    with pytest.raises(ServingError, match="exited with code 3 before answering /health"):
+    with pytest.raises(ServingError, match="exited with code 3 before answering"):
         vllm_extract.run(_params(), target_dir=_target(tmp_path), data_dir=tmp_path / "data",
                          out_dir=tmp_path / "store", generate=lambda cmd: pytest.fail("no generation without a server"))
     time.sleep(0.2)

@@ -141,3 +141,16 @@ def test_refuses_without_vllm_before_starting_anything(tmp_path, monkeypatch):
 def test_a_free_port_is_chosen_and_answers_nothing():
     port = serving.free_port()
     assert 0 < port < 65536 and not serving._port_in_use(port)
+
+
+def test_a_listening_socket_is_told_ours_or_not_by_its_process_group():
+    import os
+    import socket
+
+    with socket.socket() as ours:
+        ours.bind(("127.0.0.1", 0))
+        ours.listen()
+        port = ours.getsockname()[1]
+        assert serving.group_listens_on(os.getpgid(0), port)
+        assert not serving.group_listens_on(os.getpgid(0) + 1_000_000, port)
+    assert not serving.group_listens_on(os.getpgid(0), port)  # closed: nothing listens

@@ -87,6 +87,17 @@ def server_prefix(model: str, *, gpu: bool | None = None) -> list[str]:
     return prefix if gpu else [*prefix, "--enforce-eager"]
 
 
+def readme_command(serve_command: str, *, gpu: bool | None = None) -> list[str]:
+    """The `vllm serve TARGET …` line of an export's README as this host starts it: itself on a
+    CUDA host, the api_server module with the same arguments elsewhere (CPU, eager)."""
+    import shlex
+
+    words = shlex.split(serve_command)
+    if words[:2] != ["vllm", "serve"] or len(words) < 3:
+        raise ServingError(f"not a `vllm serve MODEL …` command: {serve_command}")
+    return [*server_prefix(words[2], gpu=gpu), *words[3:]]
+
+
 def server_env(env: dict | None = None) -> dict:
     """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it."""
     env = dict(os.environ if env is None else env)
@@ -237,16 +248,49 @@ class Server:
         return json.loads(http_text(f"{self.base_url}{path}", body, timeout_s=timeout_s, api_key=self.api_key))
 
 
-def _answers_as_ours(base: str, api_key: str | None) -> bool:
-    """Whether the server on `base` is the one started with `api_key` (its /v1/models answers
-    that key; another server refuses it with 401). Without a key, /health answering is all."""
+def _listening_sockets(port: int) -> set[str]:
+    """`socket:[inode]` of every TCP socket listening on `port` (/proc/net/tcp, tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def group_listens_on(pgid: int, port: int) -> bool:
+    """Whether a process of group `pgid` holds the socket listening on `port`."""
+    sockets = _listening_sockets(port)
+    if not sockets:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            fd_dir = stat.parent / "fd"
+            if any(os.readlink(fd_dir / fd) in sockets for fd in os.listdir(fd_dir)):
+                return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+def _answers_as_ours(base: str, api_key: str | None, *, pgid: int, port: int) -> bool:
+    """Whether the server on `base` is the one we started: with a key, its /v1/models answers that
+    key (another server refuses it with 401); without one, /health answers and the listening
+    socket belongs to a process of our group."""
     try:
         http_text(f"{base}/v1/models" if api_key else f"{base}/health", timeout_s=5, api_key=api_key)
-        return True
     except urllib.error.HTTPError:
         return False  # 401: another server's port; 404/5xx: not ready
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+    return bool(api_key) or group_listens_on(pgid, port)
 
 
 _ADDRESS_IN_USE = "address already in use"
@@ -286,7 +330,7 @@ def running(command: list[str], *, log_path: Path, what: str, startup_timeout_s:
         rec_path = orphans.record(proc.pid, port=chosen, what=what, log_path=log_path)
         try:
             deadline = time.monotonic() + startup_timeout_s
-            while not _answers_as_ours(base, key):
+            while not _answers_as_ours(base, key, pgid=proc.pid, port=chosen):
                 if proc.poll() is not None:
                     break
                 if time.monotonic() > deadline:

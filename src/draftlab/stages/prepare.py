@@ -159,13 +159,23 @@ def regenerate(params: Params, convs: list[list[dict]], model, tokenizer) -> lis
 
 
 def _regenerate_openai(p, convs):
-    """Regenerate through an OpenAI-compatible server (vLLM on a GPU host)."""
+    """Regenerate through an OpenAI-compatible server (vLLM serving the target), with the key in
+    OPENAI_API_KEY when the server requires one (as every vLLM draftlab starts does)."""
+    import os
+
     import openai
 
     if not p.regenerate_url:
         raise ParamsError("prepare.regenerate_url: required when prepare.regenerate_backend is 'openai'")
-    client = openai.OpenAI(base_url=p.regenerate_url, api_key="EMPTY")
-    model_id = client.models.list().data[0].id
+    client = openai.OpenAI(base_url=p.regenerate_url, api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY")
+    try:
+        model_id = client.models.list().data[0].id
+    except openai.AuthenticationError:
+        raise ParamsError(f"prepare.regenerate_url: {p.regenerate_url} refused the API key (HTTP 401); set "
+                          "OPENAI_API_KEY to the server's key") from None
+    except openai.APIConnectionError:
+        raise ParamsError(f"prepare.regenerate_url: nothing answers at {p.regenerate_url}; start the server "
+                          "or fix the URL (it ends in /v1)") from None
     out = []
     for c in convs:
         new: list[dict] = []
