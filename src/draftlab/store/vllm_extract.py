@@ -2,13 +2,20 @@
 `generate-offline-data` sends it the prepared samples and moves the files into the store.
 
 With `extract.vllm_url` set, draftlab talks to that server. Without it, draftlab owns the server:
-it starts `vllm serve` with the hidden-state extraction config that speculators 0.9 expects (the
-command its `scripts/launch_vllm.py` builds, which is not in the wheel: an `extract_hidden_states`
-speculative config naming the aux layers plus the last one, and the `--kv_transfer_config` of
-hs_connectors' `build_kv_transfer_config` — the fp8 connector when `extract.dtype` is
-`float8_e4m3fn`, the file connector otherwise), on `extract.vllm_gpus` with
-`extract.vllm_tensor_parallel_size`, waits for /health, runs the generation and stops the server's
-whole process group on every exit path (`serving.running`, as `evaluate`'s vllm backend does).
+it starts vLLM's OpenAI server (with the interpreter `vllm_python` finds) with the hidden-state
+extraction config that speculators 0.9 expects (the command its `scripts/launch_vllm.py` builds,
+which is not in the wheel: an `extract_hidden_states` speculative config naming the aux layers
+plus the last one, and a `--kv_transfer_config`), waits for /health, runs the generation and
+stops the server's whole process group on every exit path (`serving.running`).
+
+Where CUDA works the connector is upstream's, through hs_connectors' `build_kv_transfer_config`
+(the fp8 connector when `extract.dtype` is `float8_e4m3fn`, the file connector otherwise), on
+`extract.vllm_gpus` with `extract.vllm_tensor_parallel_size`. On a host without CUDA it is
+draftlab's synchronous `vllm_connector` (upstream's needs CUDA streams and pinned memory), which
+writes `extract.dtype` itself, fp8 included.
+
+The stage (`stages/extract.py`) gives this module the store's work folder and journals,
+verifies and publishes what the generator leaves there, as for the hf backend.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ FP8 = "float8_e4m3fn"
 
 
 def vllm_command(params: Params, *, data_dir: Path, out_dir: Path, endpoint: str | None = None) -> list[str]:
-    """speculators' own offline generator against a vLLM server (GPU hosts)."""
+    """speculators' own offline generator against a vLLM server (draftlab's own server or `extract.vllm_url`)."""
     endpoint = endpoint or params.extract.vllm_url
     if not endpoint:
         raise ParamsError("extract.vllm_url: required when extract.backend is 'vllm'")
@@ -50,15 +57,45 @@ def connector(dtype: str) -> str:
     return "fp8" if dtype == FP8 else "file"
 
 
-def kv_transfer_config(dtype: str, hidden_states_path: Path) -> dict:
+CPU_CONNECTOR = "SyncHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "draftlab.store.vllm_connector"
+PYTHON_ENV = "DRAFTLAB_VLLM_PYTHON"
+CHECKOUT = Path(__file__).resolve().parents[3]  # editable install: src/draftlab/store/ -> the checkout
+
+
+def vllm_python() -> str | None:
+    """The interpreter that runs vLLM here: $DRAFTLAB_VLLM_PYTHON, this one when `vllm` imports
+    here (the GPU image), else the checkout's `.venv-vllm/bin/python`; None when there is none."""
+    import importlib.util
+    import sys
+
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = CHECKOUT / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.is_file() else None
+
+
+def kv_transfer_config(dtype: str, hidden_states_path: Path, *, cuda: bool = True) -> dict:
+    """Upstream's connector (hs_connectors' config) where CUDA works; draftlab's synchronous one
+    (`vllm_connector`) where it cannot, writing `dtype` itself."""
+    if not cuda:
+        return {"kv_connector": CPU_CONNECTOR, "kv_role": "kv_producer",
+                "kv_connector_module_path": CPU_CONNECTOR_MODULE,
+                "kv_connector_extra_config": {"shared_storage_path": str(hidden_states_path), "dtype": dtype}}
     from hs_connectors import HiddenStatesBackend
 
     backend = HiddenStatesBackend.registry[connector(dtype)]
     return backend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=str(hidden_states_path)))
 
 
-def server_command(params: Params, *, vllm: str, model: str, num_layers: int, hidden_states_path: Path) -> list[str]:
-    """`vllm serve` for hidden-state extraction, as speculators' launch_vllm.py builds it."""
+def server_command(params: Params, *, python: str, model: str, num_layers: int, hidden_states_path: Path,
+                   cuda: bool = True) -> list[str]:
+    """vLLM's OpenAI server for hidden-state extraction, as speculators' launch_vllm.py builds it
+    (`python -m vllm.entrypoints.openai.api_server`: the CPU build's `vllm` script fails). Prefix
+    caching is off: a sample's states must not depend on which samples came before it (a rerun
+    after a kill gives the same bytes)."""
     from draftlab.store import layout as store
 
     e = params.extract
@@ -68,30 +105,49 @@ def server_command(params: Params, *, vllm: str, model: str, num_layers: int, hi
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
     }
-    cmd = [vllm, "serve", model,
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--speculative_config", json.dumps(speculative_config),
-           "--kv_transfer_config", json.dumps(kv_transfer_config(e.dtype, hidden_states_path)),
+           "--kv_transfer_config", json.dumps(kv_transfer_config(e.dtype, hidden_states_path, cuda=cuda)),
            "--host", "127.0.0.1", "--port", str(e.vllm_port),
-           "--tensor-parallel-size", str(e.vllm_tensor_parallel_size),
-           "--gpu-memory-utilization", str(e.vllm_gpu_memory_utilization)]  # fmt: skip
+           "--dtype", params.target.dtype, "--no-enable-prefix-caching"]  # fmt: skip
+    if cuda:
+        cmd += ["--tensor-parallel-size", str(e.vllm_tensor_parallel_size),
+                "--gpu-memory-utilization", str(e.vllm_gpu_memory_utilization)]  # fmt: skip
+    else:
+        cmd.append("--enforce-eager")  # no graph compile: seconds, not minutes, on a few cores
     if params.target.trust_remote_code:
         cmd.append("--trust-remote-code")
     return cmd
 
 
+def server_env(gpus: list[str]) -> dict:
+    """The server's environment: its GPUs, or on CPU the KV cache size and draftlab's package root
+    on PYTHONPATH (vLLM imports the synchronous connector from there)."""
+    if gpus:
+        return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
+    import draftlab
+
+    root = str(Path(draftlab.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+
+
 def preflight(params: Params) -> tuple[str, list[str]]:
-    """(vllm executable, CUDA devices of the server), or one line naming the key to change."""
+    """(vLLM's python, CUDA devices of the server; [] on a CPU host), or one line naming the key to change."""
     from draftlab import devices
 
     e = params.extract
+    python = vllm_python()
+    if python is None:
+        raise ParamsError("extract.backend: `vllm` asks draftlab to start a vLLM server but no vLLM is installed "
+                          f"here; install it into .venv-vllm, set {PYTHON_ENV} to a python with vLLM, "
+                          "or set extract.vllm_url")
     visible = devices.cuda_count()
     if visible == 0:
-        raise ParamsError("extract.backend: `vllm` needs a CUDA GPU to start a server and this host has none; "
-                          "use extract.backend: hf, or set extract.vllm_url to a running server")
-    vllm = shutil.which("vllm")
-    if vllm is None:
-        raise ParamsError("extract.backend: `vllm` asks draftlab to start a vLLM server but no `vllm` executable "
-                          "is on PATH; install vLLM (the GPU image has it) or set extract.vllm_url")
+        if e.vllm_gpus:
+            raise ParamsError(f"extract.vllm_gpus: {e.vllm_gpus} but this host has no CUDA GPU; "
+                              "remove extract.vllm_gpus to extract on the CPU")
+        return python, []
     gpus = e.vllm_gpus if e.vllm_gpus is not None else list(range(visible))
     if len(gpus) < e.vllm_tensor_parallel_size or any(g >= visible or g < 0 for g in gpus):
         raise ParamsError(f"extract.vllm_gpus: {gpus} with tensor-parallel size {e.vllm_tensor_parallel_size} "
@@ -99,12 +155,13 @@ def preflight(params: Params) -> tuple[str, list[str]]:
                           "or list visible devices")
     parent = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = parent.split(",") if parent else [str(i) for i in range(visible)]
-    return vllm, [names[g] for g in gpus[: e.vllm_tensor_parallel_size]]
+    return python, [names[g] for g in gpus[: e.vllm_tensor_parallel_size]]
 
 
 def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, generate=None) -> None:
-    """Hidden states of every prepared sample into `out_dir` through vLLM. `generate(cmd)` runs
-    speculators' generator (default: a child process that must exit 0)."""
+    """Hidden states of every prepared sample into `out_dir` through vLLM (files already there are
+    kept: speculators' generator skips every readable `hs_<i>`). `generate(cmd)` runs speculators'
+    generator (default: a child process that must exit 0)."""
     from draftlab.console import console
     from draftlab.models import resolve
     from draftlab.serve import serving
@@ -114,23 +171,28 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     if params.extract.vllm_url:
         generate(vllm_command(params, data_dir=data_dir, out_dir=out_dir))
         return
-    vllm, gpus = preflight(params)
+    python, gpus = preflight(params)
     from transformers import AutoConfig
 
     model = resolve(params, target_dir)
     config = AutoConfig.from_pretrained(model, trust_remote_code=params.target.trust_remote_code)
     config = getattr(config, "text_config", config)
     shared = shared_dir(out_dir)
-    shared.mkdir(parents=True, exist_ok=True)
-    cmd = server_command(params, vllm=vllm, model=model, num_layers=config.num_hidden_layers, hidden_states_path=shared)
-    console.print(f"[bold]extract[/]: starting vLLM on GPU(s) {','.join(gpus)}: " + " ".join(cmd))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
-    with serving.running(cmd, port=params.extract.vllm_port, log_path=out_dir.parent / f"{out_dir.name}-vllm.log",
-                         what="extraction", startup_timeout_s=params.extract.vllm_startup_timeout_s, env=env,
-                         port_key="extract.vllm_port") as base:
-        gen = vllm_command(params, data_dir=data_dir, out_dir=out_dir, endpoint=f"{base}/v1")
-        gen[gen.index("--model") + 1] = model  # the name the server serves (tiny targets have no path)
-        generate(gen)
+    shutil.rmtree(shared, ignore_errors=True)  # what a killed run left: files no journal names, stale locks
+    shared.mkdir(parents=True)
+    cmd = server_command(params, python=python, model=model, num_layers=config.num_hidden_layers,
+                         hidden_states_path=shared, cuda=bool(gpus))
+    where = f"GPU(s) {','.join(gpus)}" if gpus else "the CPU (draftlab's synchronous connector)"
+    console.print(f"[bold]extract[/]: starting vLLM on {where}: " + " ".join(cmd), soft_wrap=True)
+    try:
+        with serving.running(cmd, port=params.extract.vllm_port, log_path=out_dir.parent / f"{out_dir.name}-vllm.log",
+                             what="extraction", startup_timeout_s=params.extract.vllm_startup_timeout_s,
+                             env=server_env(gpus), port_key="extract.vllm_port") as base:
+            gen = vllm_command(params, data_dir=data_dir, out_dir=out_dir, endpoint=f"{base}/v1")
+            gen[gen.index("--model") + 1] = model  # the name the server serves (tiny targets have no path)
+            generate(gen)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def _generate(cmd: list[str]) -> None:
