@@ -129,7 +129,7 @@ def test_lifecycle_health_then_generation_then_the_whole_group_stops(fake_vllm, 
     params = _params(vllm_gpus=[1])
     vllm_extract.run(params, target_dir=_target(tmp_path), data_dir=tmp_path / "data", out_dir=tmp_path / "store",
                      generate=generate)
-    assert seen["cmd"][:2] == ["speculators", "generate-offline-data"]
+    assert seen["cmd"][1:4] == ["-m", "speculators", "generate-offline-data"]
     assert seen["cmd"][seen["cmd"].index("--model") + 1] == str(tmp_path / "target")
     argv = json.loads((fake_vllm / "argv.json").read_text())
     assert argv[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "target")]

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _raw(**extract) -> dict:
     return {"target": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_kv_heads": 1,
-                                "pretrain_steps": 40}},
+                                "pretrain_steps": 0}},
             "prepare": {"num_samples": NUM_SAMPLES, "max_seq_len": 96, "regenerate": False},
             "extract": {"backend": "vllm", "vllm_port": _free_port(), **extract}}
 
@@ -47,7 +47,7 @@ def _extract(root: Path, raw: dict, out: str) -> subprocess.Popen:
         [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(params_path), "--target", str(root / "target"),
          "--data", str(root / "prepared"), "--out", str(root / out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=root,
-        env=dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}"))
+        env=dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", DRAFTLAB_TEST_MARK=str(root)))
 
 
 def _ok(proc: subprocess.Popen) -> None:
@@ -55,16 +55,18 @@ def _ok(proc: subprocess.Popen) -> None:
 
 
 def _ours(root: Path) -> list[int]:
-    """Processes whose command line names this test's folder (the server, its engine, the generator)."""
+    """Live processes that extract started here (the server, its engine, the generator): they carry
+    this test's marker in their environment (vLLM retitles its engine, so not in their command line)."""
+    mark = f"DRAFTLAB_TEST_MARK={root}".encode()
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                cmd = (d / "cmdline").read_bytes()
+                env = (d / "environ").read_bytes().split(b"\0")
                 state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if str(root).encode() in cmd and state not in ("Z", "X"):
+            if mark in env and state not in ("Z", "X"):
                 pids.append(int(d.name))
     return pids
 

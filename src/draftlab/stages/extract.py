@@ -330,7 +330,8 @@ def _run_vllm(params: Params, c: Checked, *, target_dir: Path, data_dir: Path, o
     from draftlab.console import console
     from draftlab.store import vllm_extract
 
-    seq_lens = [int(n) for n in load_from_disk(str(data_dir))["seq_len"]]
+    ds = load_from_disk(str(data_dir))
+    seq_lens = [int(n) for n in ds["seq_len"]]
     work, journal = open_work(out_dir, c.key, console)
     before = set(journal.done)
     drop_bad_files(work, journal, console, published=out_dir)
@@ -340,12 +341,10 @@ def _run_vllm(params: Params, c: Checked, *, target_dir: Path, data_dir: Path, o
     _check_disk(work, store.predicted_bytes([seq_lens[i] for i in todo], c.hidden_size, params.extract.dtype),
                 params.extract.min_free_disk_frac)
     on_disk = {i for i in todo if (work / store.file_name(i)).exists()}  # a killed run's files: not redone
-    started = time.perf_counter()
+    startup_s, generate_s = (vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=work)
+                             if todo else (0.0, 0.0))
     if todo:
-        vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=work)
-    elapsed = time.perf_counter() - started
-    if todo:
-        journal.record([_vllm_record(params, c, work, i, seq_lens[i]) for i in todo])
+        journal.record([_vllm_record(params, c, work, i, ds[i]["input_ids"]) for i in todo])
     files = [{k: v for k, v in journal.done[i].items() if k != "mtime_ns"} for i in range(len(seq_lens))]
     manifest = write_manifest(work, params, c, key=c.key, key_fields=c.key_fields,
                               compute={"backend": "vllm", "server": params.extract.vllm_url or "draftlab"},
@@ -353,39 +352,44 @@ def _run_vllm(params: Params, c: Checked, *, target_dir: Path, data_dir: Path, o
                               files=files)
     publish(work, out_dir, c.key, console)
     done_tokens = sum(seq_lens[i] for i in todo if i not in on_disk)
-    tps = done_tokens / elapsed if done_tokens else 0.0
+    tps = done_tokens / generate_s if done_tokens else 0.0  # the generation's rate; the server's start apart
     if tracker is not None:
         tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest.num_tokens,
-                             "extract/total_bytes": manifest.total_bytes})
+                             "extract/total_bytes": manifest.total_bytes, "extract/vllm_startup_s": startup_s})
         tracker.log_params({"extract.layer_ids": c.layer_ids, "extract.dtype": params.extract.dtype,
                             "extract.backend": "vllm"})
         tracker.set_tags({"data.hidden_states_hash": store.manifest_hash(out_dir), "draftlab.stage": "extract"})
     console.print(
         f"[bold]extract[/]: {len(files)} files, {manifest.num_tokens:,} tokens, "
         f"{manifest.total_bytes / 2**20:.1f} MiB → {out_dir} through vLLM "
-        f"({done_tokens:,} tokens extracted now at {tps:,.0f} tok/s)"
+        f"({done_tokens:,} tokens extracted now at {tps:,.0f} tok/s; the server started in {startup_s:.0f} s)"
     )
     return ExtractResult(out_dir, len(files), manifest.num_tokens, manifest.total_bytes, done_tokens, tps)
 
 
-def _vllm_record(params: Params, c: Checked, work: Path, i: int, seq_len: int) -> dict:
+def _vllm_record(params: Params, c: Checked, work: Path, i: int, input_ids) -> dict:
     """The journal record of the file vLLM wrote for row i, once it is shown to be what this
-    store holds (a user's server keeps its own connector and model: draftlab cannot change them)."""
+    store holds: the row's tokens, 4 layers of the target's width, `extract.dtype`, finite scales
+    (a user's server keeps its own connector and model: draftlab cannot change them)."""
+    import torch
     from safetensors import safe_open
 
     path = work / store.file_name(i)
     if not path.exists():
         raise MissingInput(f"{path}: speculators generate-offline-data did not write it")
-    with safe_open(path, "pt") as f:
-        shape = f.get_slice("hidden_states").get_shape()
     got = store.file_dtype(path)
     if got != params.extract.dtype:
         raise ParamsError(f"{path}: holds {got} hidden states but extract.dtype is {params.extract.dtype}; "
                           f"restart the vLLM server with the matching hs_connectors connector or set extract.dtype")
+    with safe_open(path, "pt") as f:
+        shape = f.get_slice("hidden_states").get_shape()
+        token_ids = f.get_tensor("token_ids")
+        scales_finite = store.SCALES_KEY not in f.keys() or bool(torch.isfinite(f.get_tensor(store.SCALES_KEY)).all())
     if shape[2] != c.hidden_size or shape[1] != 4:
         raise ParamsError(f"{path}: hidden states {shape}, the target's config.json says [T, 4, {c.hidden_size}]; "
                           "point extract.vllm_url at a server of this target (target.path)")
-    if shape[0] != seq_len:
-        raise MissingInput(f"{path}: {shape[0]} tokens but row {i} of the dataset has {seq_len}; delete it and rerun")
+    if token_ids.tolist() != list(map(int, input_ids)) or shape[0] != len(token_ids) or not scales_finite:
+        raise MissingInput(f"{path}: not the hidden states of row {i} of the dataset (other tokens, or non-finite "
+                           "fp8 scales); delete it and rerun")
     return {"index": i, "name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
             "tokens": shape[0], "mtime_ns": path.stat().st_mtime_ns}

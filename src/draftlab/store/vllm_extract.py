@@ -37,13 +37,16 @@ def vllm_command(params: Params, *, data_dir: Path, out_dir: Path, endpoint: str
     endpoint = endpoint or params.extract.vllm_url
     if not endpoint:
         raise ParamsError("extract.vllm_url: required when extract.backend is 'vllm'")
+    import sys
+
     return [
-        "speculators", "generate-offline-data",
+        sys.executable, "-m", "speculators", "generate-offline-data",  # this venv's, PATH or not
         "--model", params.target.path,
         "--endpoint", endpoint,
         "--preprocessed-data", str(data_dir),
         "--output", str(out_dir),
-        "--validate-outputs",
+        # its check (torch.aminmax) has no fp8 kernel on CPU: for fp8 draftlab checks each file itself
+        *([] if params.extract.dtype == FP8 else ["--validate-outputs"]),
         "--fail-on-error",
     ]
 
@@ -132,6 +135,14 @@ def server_env(gpus: list[str]) -> dict:
     return dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
+def guard_command(cmd: list[str]) -> list[str]:
+    """`cmd` under `draftlab.guard`: vLLM's engine and workers (children of the server that do
+    not watch it) die with draftlab too, kill -9 included."""
+    import sys
+
+    return [sys.executable, "-m", "draftlab.guard", "--parent", str(os.getpid()), "--", *cmd]
+
+
 def preflight(params: Params) -> tuple[str, list[str]]:
     """(vLLM's python, CUDA devices of the server; [] on a CPU host), or one line naming the key to change."""
     from draftlab import devices
@@ -158,10 +169,13 @@ def preflight(params: Params) -> tuple[str, list[str]]:
     return python, [names[g] for g in gpus[: e.vllm_tensor_parallel_size]]
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, generate=None) -> None:
+def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, generate=None) -> tuple[float, float]:
     """Hidden states of every prepared sample into `out_dir` through vLLM (files already there are
     kept: speculators' generator skips every readable `hs_<i>`). `generate(cmd)` runs speculators'
-    generator (default: a child process that must exit 0)."""
+    generator (default: a child process that must exit 0). Returns (seconds until the server
+    answered /health, 0 for a user's server; seconds of the generation)."""
+    import time
+
     from draftlab.console import console
     from draftlab.models import resolve
     from draftlab.serve import serving
@@ -169,8 +183,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
     generate = generate or _generate
     out_dir.mkdir(parents=True, exist_ok=True)
     if params.extract.vllm_url:
+        started = time.perf_counter()
         generate(vllm_command(params, data_dir=data_dir, out_dir=out_dir))
-        return
+        return 0.0, time.perf_counter() - started
     python, gpus = preflight(params)
     from transformers import AutoConfig
 
@@ -184,13 +199,17 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path, gene
                          hidden_states_path=shared, cuda=bool(gpus))
     where = f"GPU(s) {','.join(gpus)}" if gpus else "the CPU (draftlab's synchronous connector)"
     console.print(f"[bold]extract[/]: starting vLLM on {where}: " + " ".join(cmd), soft_wrap=True)
+    started = time.perf_counter()
+    guarded = guard_command(cmd)
     try:
-        with serving.running(cmd, port=params.extract.vllm_port, log_path=out_dir.parent / f"{out_dir.name}-vllm.log",
+        with serving.running(guarded, port=params.extract.vllm_port, log_path=out_dir.parent / f"{out_dir.name}-vllm.log",
                              what="extraction", startup_timeout_s=params.extract.vllm_startup_timeout_s,
                              env=server_env(gpus), port_key="extract.vllm_port") as base:
             gen = vllm_command(params, data_dir=data_dir, out_dir=out_dir, endpoint=f"{base}/v1")
             gen[gen.index("--model") + 1] = model  # the name the server serves (tiny targets have no path)
+            healthy = time.perf_counter()
             generate(gen)
+            return healthy - started, time.perf_counter() - healthy
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
