@@ -84,8 +84,9 @@ def main() -> None:
                                           hidden_states_path=shared, cuda=bool(gpus))
         t0 = time.perf_counter()
         hf_tps, vllm_tps = [], []
-        with serving.running(cmd, port=port, log_path=root / "vllm.log", what="benchmark", startup_timeout_s=1800,
-                             env=vllm_extract.server_env(gpus), port_key="--port") as base:
+        with serving.running(vllm_extract.guard_command(cmd), port=port, log_path=root / "vllm.log",
+                             what="benchmark", startup_timeout_s=1800, env=vllm_extract.server_env(gpus),
+                             port_key="--port") as base:
             print(f"vLLM server ({'GPU ' + ','.join(gpus) if gpus else 'CPU'}) answered /health in "
                   f"{time.perf_counter() - t0:.0f} s")
             for r in range(args.rounds):
