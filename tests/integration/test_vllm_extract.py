@@ -94,6 +94,7 @@ def test_the_server_command_is_launch_vllms(tmp_path):
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "shared")}}
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert "--no-enable-prefix-caching" in cmd  # a sample's states never depend on the ones before it
+    assert "--dtype" not in cmd, "on a GPU vLLM keeps the checkpoint's dtype, as launch_vllm.py does"
 
 
 def test_without_cuda_the_server_loads_draftlabs_synchronous_connector(tmp_path):
@@ -103,6 +104,7 @@ def test_without_cuda_the_server_loads_draftlabs_synchronous_connector(tmp_path)
     assert kv["kv_connector_module_path"] == "draftlab.store.vllm_connector"
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path), "dtype": "float8_e4m3fn"}
     assert "--enforce-eager" in cmd and "--tensor-parallel-size" not in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "float32", "computed as the hf backend computes (target.dtype)"
     env = vllm_extract.server_env([])
     import draftlab
 

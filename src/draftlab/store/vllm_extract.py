@@ -111,13 +111,14 @@ def server_command(params: Params, *, python: str, model: str, num_layers: int, 
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--speculative_config", json.dumps(speculative_config),
            "--kv_transfer_config", json.dumps(kv_transfer_config(e.dtype, hidden_states_path, cuda=cuda)),
-           "--host", "127.0.0.1", "--port", str(e.vllm_port),
-           "--dtype", params.target.dtype, "--no-enable-prefix-caching"]  # fmt: skip
-    if cuda:
+           "--host", "127.0.0.1", "--port", str(e.vllm_port), "--no-enable-prefix-caching"]  # fmt: skip
+    if cuda:  # vLLM's own dtype (the checkpoint's), as launch_vllm.py leaves it
         cmd += ["--tensor-parallel-size", str(e.vllm_tensor_parallel_size),
                 "--gpu-memory-utilization", str(e.vllm_gpu_memory_utilization)]  # fmt: skip
     else:
-        cmd.append("--enforce-eager")  # no graph compile: seconds, not minutes, on a few cores
+        # target.dtype, as the hf backend computes: vLLM's CPU build would run a float32 checkpoint in bf16
+        # no graph compile: seconds, not minutes, on a few cores
+        cmd += ["--dtype", params.target.dtype, "--enforce-eager"]
     if params.target.trust_remote_code:
         cmd.append("--trust-remote-code")
     return cmd
