@@ -181,7 +181,8 @@ class Extract(Section):
     backend: Literal["hf", "vllm"] = Field(
         "hf",
         description="`hf`: transformers forward passes here (CPU or GPU). `vllm`: speculators' "
-        "`generate-offline-data` against a vLLM server (GPU hosts).",
+        "`generate-offline-data` against a vLLM server (a GPU host: upstream's connector; a CPU host: "
+        "draftlab's synchronous one, with vLLM's CPU build).",
     )
     layer_ids: list[int] | None = Field(
         None,

@@ -1,6 +1,7 @@
-"""The vLLM extraction server draftlab owns, against a fake `vllm` on PATH: the command
-speculators' launch_vllm.py builds, /health before the generation, the whole server process
-group stopped on every exit path, and one line when this host cannot start one."""
+"""The vLLM extraction server draftlab owns, against a fake vLLM python (DRAFTLAB_VLLM_PYTHON):
+the command speculators' launch_vllm.py builds, /health before the generation, the whole server
+process group stopped on every exit path, and one line when this host cannot start one. The real
+vLLM (CPU build) is test_vllm_extract_cpu.py's."""
 
 import json
 import os
@@ -57,11 +58,11 @@ def _alive(pid: int) -> bool:
 def fake_vllm(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    exe = bin_dir / "vllm"
+    exe = bin_dir / "python"
     exe.write_text(f"#!{sys.executable}\n" + FAKE_VLLM)
     exe.chmod(0o755)
     (bin_dir / "mode").write_text("serve")
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("DRAFTLAB_VLLM_PYTHON", str(exe))
     monkeypatch.setattr(devices, "cuda_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return bin_dir
@@ -82,9 +83,9 @@ def _target(tmp_path) -> Path:
 
 
 def test_the_server_command_is_launch_vllms(tmp_path):
-    cmd = vllm_extract.server_command(_params(vllm_tensor_parallel_size=2), vllm="vllm", model="m", num_layers=32,
+    cmd = vllm_extract.server_command(_params(vllm_tensor_parallel_size=2), python="py", model="m", num_layers=32,
                                       hidden_states_path=tmp_path / "shared")
-    assert cmd[:3] == ["vllm", "serve", "m"]
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
     spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 16, 29, 32]}}}
@@ -92,7 +93,22 @@ def test_the_server_command_is_launch_vllms(tmp_path):
     assert kv == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                   "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "shared")}}
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert "--no-enable-prefix-caching" in cmd  # a sample's states never depend on the ones before it
+    assert "--dtype" not in cmd, "on a GPU vLLM keeps the checkpoint's dtype, as launch_vllm.py does"
 
+
+def test_without_cuda_the_server_loads_draftlabs_synchronous_connector(tmp_path):
+    cmd = vllm_extract.server_command(_params(dtype="float8_e4m3fn"), python="py", model="m", num_layers=8,
+                                      hidden_states_path=tmp_path, cuda=False)
+    kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+    assert kv["kv_connector_module_path"] == "draftlab.store.vllm_connector"
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path), "dtype": "float8_e4m3fn"}
+    assert "--enforce-eager" in cmd and "--tensor-parallel-size" not in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "float32", "computed as the hf backend computes (target.dtype)"
+    env = vllm_extract.server_env([])
+    import draftlab
+
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(draftlab.__file__).parent.parent)
 
 def test_fp8_stores_use_hs_connectors_fp8_connector(tmp_path):
     kv = vllm_extract.kv_transfer_config("float8_e4m3fn", tmp_path)
@@ -115,10 +131,11 @@ def test_lifecycle_health_then_generation_then_the_whole_group_stops(fake_vllm, 
     params = _params(vllm_gpus=[1])
     vllm_extract.run(params, target_dir=_target(tmp_path), data_dir=tmp_path / "data", out_dir=tmp_path / "store",
                      generate=generate)
-    assert seen["cmd"][:2] == ["speculators", "generate-offline-data"]
+    assert seen["cmd"][1:4] == ["-m", "speculators", "generate-offline-data"]
     assert seen["cmd"][seen["cmd"].index("--model") + 1] == str(tmp_path / "target")
     argv = json.loads((fake_vllm / "argv.json").read_text())
-    assert argv[:2] == ["serve", str(tmp_path / "target")] and "--kv_transfer_config" in argv
+    assert argv[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "target")]
+    assert "--kv_transfer_config" in argv
     time.sleep(0.2)
     assert not any(_alive(p) for p in seen["pids"]), "the server and its engine child are stopped"
 
@@ -147,9 +164,14 @@ def test_bad_asks_are_one_line(fake_vllm, tmp_path, monkeypatch):
         vllm_extract.preflight(_params(vllm_gpus=[0, 1, 2]))
     with pytest.raises(ParamsError, match=r"^extract.vllm_gpus: .*tensor-parallel size 4"):
         vllm_extract.preflight(_params(vllm_tensor_parallel_size=4))
-    monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(ParamsError, match="^extract.backend: .*no `vllm` executable is on PATH"):
-        vllm_extract.preflight(_params())
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
-    with pytest.raises(ParamsError, match="^extract.backend: `vllm` needs a CUDA GPU"):
+    with pytest.raises(ParamsError, match=r"^extract.vllm_gpus: \[1\] but this host has no CUDA GPU"):
+        vllm_extract.preflight(_params(vllm_gpus=[1]))
+    assert vllm_extract.preflight(_params())[1] == [], "no GPU: the server runs on the CPU"
+    monkeypatch.delenv("DRAFTLAB_VLLM_PYTHON")
+    from draftlab.serve import vllm_env
+
+    monkeypatch.setattr(vllm_env, "VENV", tmp_path / ".venv-vllm")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ParamsError, match="^extract.backend: `vllm` asks draftlab to start a vLLM server: .*not installed here"):
         vllm_extract.preflight(_params())

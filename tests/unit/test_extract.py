@@ -19,7 +19,7 @@ def test_vllm_backend_delegates_to_speculators_generator(tmp_path):
     params = tiny_params(extract={"backend": "vllm", "vllm_url": "http://gpu:8000/v1"},
                          target={"source": "hub", "path": "org/model"})
     cmd = vllm_command(params, data_dir=tmp_path / "d", out_dir=tmp_path / "hs")
-    assert cmd[:2] == ["speculators", "generate-offline-data"]
+    assert cmd[1:4] == ["-m", "speculators", "generate-offline-data"]
     assert cmd[cmd.index("--endpoint") + 1] == "http://gpu:8000/v1"
     assert cmd[cmd.index("--preprocessed-data") + 1] == str(tmp_path / "d")
     assert cmd[cmd.index("--output") + 1] == str(tmp_path / "hs")

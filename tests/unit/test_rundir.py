@@ -137,7 +137,7 @@ def test_lock_and_launch_files_are_per_node_with_node_zero_the_single_node_names
     assert len(names) == 4 and not names & {f".{rd.path.name}.lock", "launch.json"}
 
 
-def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_them(tmp_path):
+def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_them(tmp_path, monkeypatch):
     """extract.layer_ids unset: the server captures the default [2, L//2, L-3], and the manifest
     says so (the one writer both backends share), so `train` gets real ids, not null."""
     import torch
@@ -146,26 +146,62 @@ def test_the_vllm_backend_records_the_layer_ids_the_server_used_and_train_reads_
 
     from draftlab.stages import extract
     from draftlab.store import layout as store
+    from draftlab.store import vllm_extract
     from draftlab.training import job
     from tests.conftest import tiny_params
 
     params = tiny_params(extract={"backend": "vllm", "vllm_url": "http://127.0.0.1:1", "layer_ids": None})
     data_dir, store_dir = tmp_path / "prepared", tmp_path / "hs"
-    Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]],
+    rows = [[1, 2, 3], [4, 5]]
+    Dataset.from_dict({"input_ids": rows, "loss_mask": [[0, 1, 1], [1, 1]],
                        "seq_len": [3, 2]}).save_to_disk(str(data_dir))
-    store_dir.mkdir()
-    for i, n in enumerate([3, 2]):  # what speculators' generator moves in
-        save_file({"hidden_states": torch.zeros(n, 4, 32, dtype=torch.bfloat16),
-                   "token_ids": torch.arange(n, dtype=torch.int64)}, str(store_dir / store.file_name(i)))
+
+    def generator(params, *, target_dir, data_dir, out_dir):  # what speculators' generator moves in
+        for i, ids in enumerate(rows):
+            save_file({"hidden_states": torch.zeros(len(ids), 4, 32, dtype=torch.bfloat16),
+                       "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(out_dir / store.file_name(i)))
+        return 0.0, 1.0
+
+    monkeypatch.setattr(vllm_extract, "run", generator)
     checked = extract.Checked(num_layers=8, hidden_size=32, vocab_size=303,
                               layer_ids=extract.resolve_layer_ids(params.extract.layer_ids, 8),
                               key_fields={}, key="unused")
-    result = extract._manifest_from_files(params, checked, data_dir=data_dir, out_dir=store_dir)
+    result = extract._run_vllm(params, checked, target_dir=tmp_path / "target", data_dir=data_dir, out_dir=store_dir)
     written = store.read_manifest(store_dir)
     assert result.num_files == 2 and written.num_tokens == 5
     assert written.layer_ids == [2, 4, 5] and written.target.num_layers == 8
     assert job.check_layer_ids(params, written, store_dir) == [2, 4, 5]
     assert store.verify(store_dir) == []
+
+
+def test_a_vllm_file_of_other_tokens_is_refused_and_not_journaled(tmp_path, monkeypatch):
+    """A server of another dataset or tokenizer: one line naming the file, no manifest."""
+    import pytest
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from draftlab.errors import MissingInput
+    from draftlab.stages import extract
+    from draftlab.store import layout as store
+    from draftlab.store import vllm_extract
+    from tests.conftest import tiny_params
+
+    params = tiny_params(extract={"backend": "vllm", "vllm_url": "http://127.0.0.1:1"})
+    data_dir = tmp_path / "prepared"
+    Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]], "seq_len": [3]}).save_to_disk(str(data_dir))
+
+    def generator(params, *, target_dir, data_dir, out_dir):
+        save_file({"hidden_states": torch.zeros(3, 4, 32, dtype=torch.bfloat16),
+                   "token_ids": torch.tensor([1, 2, 9])}, str(out_dir / store.file_name(0)))
+        return 0.0, 1.0
+
+    monkeypatch.setattr(vllm_extract, "run", generator)
+    checked = extract.Checked(num_layers=8, hidden_size=32, vocab_size=303, layer_ids=[2, 4, 5], key_fields={},
+                              key="k")
+    with pytest.raises(MissingInput, match=r"hs_0.safetensors: not the hidden states of row 0 of the dataset"):
+        extract._run_vllm(params, checked, target_dir=tmp_path, data_dir=data_dir, out_dir=tmp_path / "hs")
+    assert not store.has_manifest(store.work_dir(tmp_path / "hs"))
 
 
 def test_the_cli_answers_a_torn_train_record_with_one_line_and_exit_2(tmp_path, monkeypatch):

@@ -132,6 +132,8 @@ def check(params: Params, *, target_dir: Path, data_dir: Path) -> Checked:
         "format": "speculators-0.9/hs_i.safetensors" + ("+fp8-per-token-scales" if params.extract.dtype == store.FP8 else ""),
     }
     key_fields = with_compute(key_fields, placement)
+    if params.extract.backend == "vllm":  # another engine's numerics: never mixed with an hf store
+        key_fields = {**key_fields, "compute": {"backend": "vllm", "server": params.extract.vllm_url or "draftlab"}}
     return Checked(cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, layer_ids, key_fields,
                    store.store_key(key_fields), placement, processes, device_map)
 
@@ -243,10 +245,7 @@ def _extract(params: Params, *, target_dir: Path, data_dir: Path, out_dir: Path,
     check_dtype(params.extract.dtype)
     c = checked or check(params, target_dir=target_dir, data_dir=data_dir)
     if params.extract.backend == "vllm":
-        from draftlab.store import vllm_extract
-
-        vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir)
-        return _manifest_from_files(params, c, data_dir=data_dir, out_dir=out_dir)
+        return _run_vllm(params, c, target_dir=target_dir, data_dir=data_dir, out_dir=out_dir, tracker=tracker)
 
     ds = load_from_disk(str(data_dir))
     seq_lens = list(ds["seq_len"])
@@ -345,30 +344,77 @@ def write_manifest(store_dir: Path, params: Params, c: Checked, *, key: str, fil
     return manifest
 
 
-def _manifest_from_files(params: Params, c: Checked, *, data_dir: Path, out_dir: Path) -> ExtractResult:
-    """Manifest for a store another writer produced (the vllm backend): hash what is there."""
+def _run_vllm(params: Params, c: Checked, *, target_dir: Path, data_dir: Path, out_dir: Path,
+              tracker=None) -> ExtractResult:
+    """The vllm backend, kept like the hf one: vLLM writes into the work folder (speculators'
+    generator skips the readable files a killed run left), then every new file is checked,
+    hashed and journaled, the manifest written and the store published. A journaled file that
+    fails verification is deleted first, so the generator writes it again."""
     from datasets import load_from_disk
-    from safetensors import safe_open
+
+    from draftlab.console import console
+    from draftlab.store import vllm_extract
 
     ds = load_from_disk(str(data_dir))
-    files = []
-    for i in range(len(ds)):
-        path = out_dir / store.file_name(i)
-        if not path.exists():
-            raise MissingInput(f"{path}: speculators generate-offline-data did not write it")
-        with safe_open(path, "pt") as f:
-            shape = f.get_slice("hidden_states").get_shape()
-        got = store.file_dtype(path)
-        if got != params.extract.dtype:
-            # a server the user started keeps its own connector flags; draftlab cannot change them
-            raise ParamsError(f"{path}: holds {got} hidden states but extract.dtype is {params.extract.dtype}; "
-                              f"restart the vLLM server with the matching hs_connectors connector or set extract.dtype")
-        if shape[2] != c.hidden_size:
-            raise ParamsError(f"{path}: hidden size {shape[2]}, the target's config.json says {c.hidden_size}; "
-                              "point extract.vllm_url at a server of this target (target.path)")
-        files.append({"index": i, "name": path.name, "bytes": path.stat().st_size,
-                      "sha256": sha256_file(path), "tokens": shape[0]})
-    key = store.store_key({"target": params.target.path, "layer_ids": c.layer_ids, "backend": "vllm",
-                           "dtype": params.extract.dtype})
-    manifest = write_manifest(out_dir, params, c, key=key, files=files)
-    return ExtractResult(out_dir, len(files), manifest.num_tokens, manifest.total_bytes, 0, 0.0)
+    seq_lens = [int(n) for n in ds["seq_len"]]
+    work, journal = open_work(out_dir, c.key, console)
+    before = set(journal.done)
+    drop_bad_files(work, journal, console, published=out_dir)
+    for i in before - set(journal.done):
+        (work / store.file_name(i)).unlink(missing_ok=True)
+    todo = [i for i in range(len(seq_lens)) if i not in journal.done]
+    _check_disk(work, store.predicted_bytes([seq_lens[i] for i in todo], c.hidden_size, params.extract.dtype),
+                params.extract.min_free_disk_frac)
+    on_disk = {i for i in todo if (work / store.file_name(i)).exists()}  # a killed run's files: not redone
+    startup_s, generate_s = (vllm_extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=work)
+                             if todo else (0.0, 0.0))
+    if todo:
+        journal.record([_vllm_record(params, c, work, i, ds[i]["input_ids"]) for i in todo])
+    files = [{k: v for k, v in journal.done[i].items() if k != "mtime_ns"} for i in range(len(seq_lens))]
+    manifest = write_manifest(work, params, c, key=c.key, key_fields=c.key_fields,
+                              compute={"backend": "vllm", "server": params.extract.vllm_url or "draftlab"},
+                              bytes_per_token_analytic=store.bytes_per_token(c.hidden_size, params.extract.dtype),
+                              files=files)
+    publish(work, out_dir, c.key, console)
+    done_tokens = sum(seq_lens[i] for i in todo if i not in on_disk)
+    tps = done_tokens / generate_s if done_tokens else 0.0  # the generation's rate; the server's start apart
+    if tracker is not None:
+        tracker.log_metrics({"perf/extract_tokens_per_s": tps, "extract/num_tokens": manifest.num_tokens,
+                             "extract/total_bytes": manifest.total_bytes, "extract/vllm_startup_s": startup_s})
+        tracker.log_params({"extract.layer_ids": c.layer_ids, "extract.dtype": params.extract.dtype,
+                            "extract.backend": "vllm"})
+        tracker.set_tags({"data.hidden_states_hash": store.manifest_hash(out_dir), "draftlab.stage": "extract"})
+    console.print(
+        f"[bold]extract[/]: {len(files)} files, {manifest.num_tokens:,} tokens, "
+        f"{manifest.total_bytes / 2**20:.1f} MiB → {out_dir} through vLLM "
+        f"({done_tokens:,} tokens extracted now at {tps:,.0f} tok/s; the server started in {startup_s:.0f} s)"
+    )
+    return ExtractResult(out_dir, len(files), manifest.num_tokens, manifest.total_bytes, done_tokens, tps)
+
+
+def _vllm_record(params: Params, c: Checked, work: Path, i: int, input_ids) -> dict:
+    """The journal record of the file vLLM wrote for row i, once it is shown to be what this
+    store holds: the row's tokens, 4 layers of the target's width, `extract.dtype`, finite scales
+    (a user's server keeps its own connector and model: draftlab cannot change them)."""
+    import torch
+    from safetensors import safe_open
+
+    path = work / store.file_name(i)
+    if not path.exists():
+        raise MissingInput(f"{path}: speculators generate-offline-data did not write it")
+    got = store.file_dtype(path)
+    if got != params.extract.dtype:
+        raise ParamsError(f"{path}: holds {got} hidden states but extract.dtype is {params.extract.dtype}; "
+                          f"restart the vLLM server with the matching hs_connectors connector or set extract.dtype")
+    with safe_open(path, "pt") as f:
+        shape = f.get_slice("hidden_states").get_shape()
+        token_ids = f.get_tensor("token_ids")
+        scales_finite = store.SCALES_KEY not in f.keys() or bool(torch.isfinite(f.get_tensor(store.SCALES_KEY)).all())
+    if shape[2] != c.hidden_size or shape[1] != 4:
+        raise ParamsError(f"{path}: hidden states {shape}, the target's config.json says [T, 4, {c.hidden_size}]; "
+                          "point extract.vllm_url at a server of this target (target.path)")
+    if token_ids.tolist() != list(map(int, input_ids)) or shape[0] != len(token_ids) or not scales_finite:
+        raise MissingInput(f"{path}: not the hidden states of row {i} of the dataset (other tokens, or non-finite "
+                           "fp8 scales); delete it and rerun")
+    return {"index": i, "name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
+            "tokens": shape[0], "mtime_ns": path.stat().st_mtime_ns}
