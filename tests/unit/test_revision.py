@@ -26,7 +26,7 @@ def test_trust_remote_code_without_a_revision_is_refused_before_any_load_in_one_
 
     params = hub(trust_remote_code=True)
     for load in (lambda: resolve(params, tmp_path), lambda: revision_kwargs(params),
-                 lambda: vllm_extract.server_command(params, vllm="vllm", model="m", num_layers=8,
+                 lambda: vllm_extract.server_command(params, python="python", model="m", num_layers=8,
                                                      hidden_states_path=tmp_path)):
         with pytest.raises(ParamsError) as err:
             load()
@@ -57,7 +57,7 @@ def test_every_transformers_load_and_the_vllm_server_get_the_revision():
     params = hub(trust_remote_code=True, revision=COMMIT)
     assert revision_kwargs(params) == {"trust_remote_code": True, "revision": COMMIT}
     assert revision_kwargs(parse_params({})) == {"trust_remote_code": False}
-    cmd = vllm_extract.server_command(params, vllm="vllm", model="org/model", num_layers=32,
+    cmd = vllm_extract.server_command(params, python="python", model="org/model", num_layers=32,
                                       hidden_states_path=Path("/tmp/hs"))
     for flag in ("--revision", "--code-revision", "--tokenizer-revision"):
         assert cmd[cmd.index(flag) + 1] == COMMIT
