@@ -198,8 +198,9 @@ def run(params: Params, *, target_dir: Path, out_dir: Path, root: Path = Path(".
     from draftlab.console import console
     from draftlab.models import load_target, load_tokenizer
     from draftlab.rundir import PrepareRecord, prepare_record
-    from draftlab.util import atomic_dir
+    from draftlab.util import atomic_dir, check_replaceable
 
+    check_replaceable(out_dir, "prepare.json")  # before the work: an --out that is not draftlab's is refused
     started = time.perf_counter()
     convs, skipped = read_conversations(params, root)
     if not convs:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from draftlab import corpus
 from draftlab.params import Params
-from draftlab.util import atomic_dir, write_json_atomic
+from draftlab.util import atomic_dir, check_replaceable, write_json_atomic
 
 POINTER = "target.json"
 
@@ -119,6 +119,7 @@ def _pretrain(model, tokenizer, tiny, progress) -> list[float]:
 
 def run(params: Params, *, out_dir: Path, report_path: Path) -> TargetResult:
     """Build the tiny target into `out_dir` (source `tiny`), or describe a real one."""
+    check_replaceable(out_dir)  # before the work: an --out that is not draftlab's is refused
     import torch
     from rich.progress import Progress
 
