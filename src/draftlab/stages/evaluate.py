@@ -290,7 +290,14 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
     if params.evaluate.backend == "vllm":
         from draftlab.generation import stop_token_ids
 
-        del target, draft  # vLLM loads its own copies
+        del target, draft  # vLLM loads its own copies: free this process's before it starts
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         metrics.update(_vllm(params, prompts, target_dir=target_dir, train_dir=train_dir, store_dir=store_dir,
                              out_dir=out_dir, stop_token_ids=sorted(stop_token_ids(tokenizer)),
                              hf_per_prompt=per_prompt))
