@@ -100,12 +100,20 @@ def test_a_far_too_large_lr_diverges_stops_in_one_line_and_keeps_the_good_checkp
     assert last_global_step(out / "checkpoints") == good
 
 
+# `stalled` is a finding that the loss is flat within its noise. The tiny pipeline's loss varies
+# about 10 % from step to step (39 samples, 21 steps): at the default stall_frac (2 %) a lr-0 run
+# reads `cannot tell yet` to its end (measured: halves' fall −0.4 %, its noise 13–15 %), as it
+# should; showing "no fall of 30 %" is within this run's reach, and a learning run here falls 50 %+.
+FLAT_WATCH = {"stall_frac": 0.3}
+
+
 def test_lr_0_is_reported_stalled(built, tmp_path, mlflow_store):
     from draftlab.stages import train
 
     _, target_dir, data_dir, store_dir = built
     out = tmp_path / "lr0"
-    train.run(_params(built, lr=0.0), target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out)
+    train.run(_params(built, lr=0.0, watch=FLAT_WATCH), target_dir=target_dir, data_dir=data_dir,
+              store_dir=store_dir, out_dir=out)
     run = _run_of(mlflow_store, out)
     assert run.info.status == "FINISHED"
     assert run.data.tags["draftlab.convergence"] == "stalled"
@@ -120,7 +128,7 @@ def test_lr_0_stops_when_the_watch_is_asked_to(built, tmp_path, mlflow_store):
 
     _, target_dir, data_dir, store_dir = built
     out = tmp_path / "lr0stop"
-    params = _params(built, lr=0.0, epochs=4, watch={"stop_on": ["stalled"]})
+    params = _params(built, lr=0.0, epochs=4, watch={**FLAT_WATCH, "stop_on": ["stalled"]})
     with pytest.raises(TrainingStopped, match="loss stalled"):
         train.run(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out)
     assert _run_of(mlflow_store, out).data.tags["draftlab.convergence"] == "stalled"
