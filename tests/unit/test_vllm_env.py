@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 import pytest
 
@@ -57,5 +58,16 @@ def test_vllm_beside_draftlab_is_this_interpreter(monkeypatch):
     """The GPU image: vllm is installed in draftlab's own environment."""
     real = importlib.util.find_spec
     monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace(origin="/site-packages/vllm/__init__.py") if name == "vllm" else real(name, *a))
     assert vllm_env.vllm_python() == sys.executable
+
+
+def test_a_folder_named_vllm_in_the_cwd_is_not_vllm(monkeypatch, tmp_path):
+    """A store written to ./vllm is a namespace package to `find_spec`: not an installed vLLM."""
+    (tmp_path / "vllm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
+    monkeypatch.setattr(vllm_env, "VENV", tmp_path / ".venv-vllm")
+    with pytest.raises(vllm_env.VllmMissing):
+        vllm_env.vllm_python()

@@ -55,7 +55,8 @@ def vllm_python() -> str:
             raise VllmMissing(f"{PYTHON_ENV}={named}: no such interpreter; point it at a python with vLLM "
                               "or unset it")
         return named
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:  # a package, not a folder named vllm in the cwd (a store)
         return sys.executable
     venv_python = VENV / "bin" / "python"
     if venv_python.is_file() and (VENV / ".draftlab-lock-sha256").is_file():
