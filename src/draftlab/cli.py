@@ -29,6 +29,9 @@ app = typer.Typer(
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="Params file (see `draftlab params`).")]
 TargetOpt = Annotated[Path, typer.Option("--target", help="The target stage's folder (tiny model or pointer).")]
+DataOpt = Annotated[Path, typer.Option("--data", help="Prepared dataset folder.")]
+StoreOpt = Annotated[Path, typer.Option("--store", help="Hidden-state store folder.")]
+TrainDirOpt = Annotated[Path, typer.Option("--train", help="The train stage's run folder.")]
 
 
 def command(*args, **kwargs):
@@ -103,7 +106,7 @@ def prepare(
 def extract(
     params: ParamsOpt = paths.PARAMS,
     target: TargetOpt = paths.TARGET,
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
+    data: DataOpt = paths.PREPARED,
     out: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
     report: Annotated[Path | None, typer.Option(help="JSON report of the store (files, tokens, bytes, what "
                                                 "was extracted now).")] = None,
@@ -134,8 +137,8 @@ def extract(
 def train(
     params: ParamsOpt = paths.PARAMS,
     target: TargetOpt = paths.TARGET,
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
+    data: DataOpt = paths.PREPARED,
+    store: StoreOpt = paths.STORE,
     out: Annotated[Path, typer.Option(help="Run folder (checkpoints, accounting, run id).")] = paths.TRAIN,
     node_rank: Annotated[int | None, typer.Option("--node-rank", help="This host's train.node_rank (multi-node: "
                                                   "the same params on every node, this flag on the others).")] = None,
@@ -163,9 +166,9 @@ def train(
 def evaluate(
     params: ParamsOpt = paths.PARAMS,
     target: TargetOpt = paths.TARGET,
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
-    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = paths.TRAIN,
+    data: DataOpt = paths.PREPARED,
+    store: StoreOpt = paths.STORE,
+    train_dir: TrainDirOpt = paths.TRAIN,
     out: Annotated[Path, typer.Option(help="Reports folder (metrics.json, plots, figures).")] = paths.REPORTS,
 ) -> None:
     """Predicted (validation) and measured (speculative decoding) acceptance length."""
@@ -182,7 +185,7 @@ def evaluate(
 def export(
     params: ParamsOpt = paths.PARAMS,
     target: TargetOpt = paths.TARGET,
-    train_dir: Annotated[Path, typer.Option("--train", help="The train stage's run folder.")] = paths.TRAIN,
+    train_dir: TrainDirOpt = paths.TRAIN,
     store: Annotated[Path, typer.Option(help="Hidden-state store folder (its manifest).")] = paths.STORE,
     out: Annotated[Path, typer.Option(help="Exported draft folder.")] = paths.DRAFT,
     reports: Annotated[Path, typer.Option(help="The evaluate stage's reports folder: its figures (acceptance) go "
@@ -251,8 +254,8 @@ def sweep(
     n_trials: Annotated[int | None, typer.Option("--n-trials", help="Stop after this many trials have run.")] = None,
     params: Annotated[Path | None, typer.Option("--params", help="Base params (default: the space file's).")] = None,
     target: TargetOpt = paths.TARGET,
-    data: Annotated[Path, typer.Option(help="Prepared dataset folder.")] = paths.PREPARED,
-    store: Annotated[Path, typer.Option(help="Hidden-state store folder.")] = paths.STORE,
+    data: DataOpt = paths.PREPARED,
+    store: StoreOpt = paths.STORE,
     out: Annotated[Path, typer.Option(help="Sweeps folder (one subfolder per study).")] = paths.SWEEPS,
 ) -> None:
     """Optuna over epochs, lr and GPU count inside a wall-clock budget (resumable; workers share it)."""

@@ -24,3 +24,15 @@ def built(tmp_path_factory, params):
     prepare.run(params, target_dir=target_dir, out_dir=data_dir)
     extract.run(params, target_dir=target_dir, data_dir=data_dir, out_dir=store_dir)
     return params, target_dir, data_dir, store_dir
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory):
+    """(root, env, output) of one `dvc repro` of the whole pipeline on the default params.yaml, in a
+    checkout copy (tests/checkout.py), once per session. A test that only reads its outputs reads
+    them here; one that changes anything changes its own `copy_checkout` of it."""
+    from tests.checkout import checkout_copy, sh
+
+    root, env = checkout_copy(tmp_path_factory.mktemp("reproduced") / "repo")
+    done = sh(["dvc", "repro"], root, env)
+    return root, env, done.stdout + done.stderr

@@ -6,10 +6,7 @@ damaged store is named by training and repaired by `extract`, file by file."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,8 +15,9 @@ import yaml
 
 from draftlab.rundir import RunDir, StoreDir
 from draftlab.store import layout as store
+from tests.checkout import checkout_copy, copy_checkout
+from tests.checkout import sh as _sh
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = {  # the session's tiny sizes (tests/conftest.py), one short epoch of training
     "target": {"tiny": {"pretrain_steps": 40, "hidden_size": 32, "intermediate_size": 64}},
     "prepare": {"num_samples": 39, "max_seq_len": 96, "max_new_tokens": 24},
@@ -27,13 +25,6 @@ TINY = {  # the session's tiny sizes (tests/conftest.py), one short epoch of tra
     "train": {"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64},
 }
 SKIP = {".git", ".dvc", "params.yaml", "__pycache__"}  # what a test edits, or DVC's own state
-
-
-def _sh(cmd, cwd, env, ok=True):
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    if ok:
-        assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
 
 
 def _flat(proc) -> str:
@@ -63,21 +54,7 @@ def _set(root: Path, text: str) -> None:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A temp copy of the repo after `dvc repro train` on the tiny sizes."""
-    root = tmp_path_factory.mktemp("finished")
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    for rel in files.stdout.splitlines():
-        if (REPO / rel).is_file():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, root / rel)
-    from draftlab.params import merge
-
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
-        _sh(cmd, root, env)
+    root, env = checkout_copy(tmp_path_factory.mktemp("finished"), params=TINY)
     _sh(["dvc", "repro", "train"], root, env)
     return root, env
 
@@ -85,10 +62,7 @@ def finished(tmp_path_factory):
 @pytest.fixture
 def copy(finished, tmp_path):
     root, env = finished
-    dest = tmp_path / "repo"
-    # cp -a keeps hardlinks: the store, its work folder and DVC's cache share inodes as in a real repo
-    subprocess.run(["cp", "-a", str(root), str(dest)], check=True)
-    return dest, env
+    return copy_checkout(root, tmp_path / "repo"), env
 
 
 def _refused(proc, *needles):

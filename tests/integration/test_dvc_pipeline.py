@@ -6,40 +6,26 @@ old store back byte for byte; with `extract.dvc_track: manifest` DVC versions th
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from draftlab.store import layout as store
+from tests.checkout import checkout_copy, sh
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(cmd, cwd, env):
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = sh(cmd, cwd, env)
     return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
 def repo_copy(tmp_path_factory):
-    dest = tmp_path_factory.mktemp("repo")
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    for rel in files.stdout.splitlines():
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    _run(["git", "init", "-q"], dest, env)
-    _run(["git", "add", "-A"], dest, env)
-    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"], dest, env)
-    return dest, env
+    return checkout_copy(tmp_path_factory.mktemp("repo"))
 
 
 def _files(store_dir: Path) -> dict[str, bytes]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.checkout import checkout_copy, sh
 from tests.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -46,31 +45,43 @@ def test_the_team_server_refuses_a_request_without_a_login(mlflow_server):
 
 
 def _run(cmd, cwd, env, **kw):
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = sh(cmd, cwd, env, **kw)
     return proc.stdout + proc.stderr
 
 
-def _repo_with_store(built, dest: Path, env, **train) -> Path:
+def _repo_with_store(built, dest: Path, **train) -> Path:
     """The repo's tracked files in `dest` (a git repo), with the session's target, dataset and
     store where dvc.yaml expects them and its tiny params as params.yaml: `dvc repro
     --downstream train` then runs train, evaluate and export only."""
     params, target_dir, data_dir, store_dir = built
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    for rel in files.stdout.splitlines():
-        if (REPO / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, dest / rel)
     raw = params.model_dump()
     raw["train"].update(train)
     raw["evaluate"].update({"num_prompts": 4, "max_new_tokens": 12})
-    (dest / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    for src, rel in ((target_dir, "models/target"), (data_dir, "data/prepared"), (store_dir, "data/hidden_states")):
-        shutil.copytree(src, dest / rel)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
-        _run(cmd, dest, env)
-    return dest
+    return checkout_copy(dest, whole_params=raw, placed={"models/target": target_dir, "data/prepared": data_dir,
+                                                         "data/hidden_states": store_dir})[0]
+
+
+def _repro_until_the_server_dies(built, tmp_path: Path, mlflow_server):
+    """`dvc repro --downstream train` (train, evaluate, export) of a checkout on the session's store,
+    logging to the server, which is killed after epoch 1's checkpoint while the rank is held
+    (SIGSTOP), so the steps after it certainly meet the outage. (the dvc process, repo, env)."""
+    from tests.conftest import train_ranks_of
+
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, HF_HUB_OFFLINE="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    repo = _repo_with_store(built, tmp_path / "repo", epochs=2, total_seq_len=96, draft_vocab_size=64,
+                            num_workers=0)
+    out = repo / "runs/train"
+    dvc = subprocess.Popen(["dvc", "repro", "--downstream", "train"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
+    ranks = wait_for(lambda: train_ranks_of(out), 30, "the rank")
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    mlflow_server.kill()
+    for pid in ranks:
+        os.kill(pid, signal.SIGCONT)
+    return dvc, repo, env
 
 
 def _spooled_steps(spool: Path) -> list[int]:
@@ -84,24 +95,9 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
     import mlflow
     import requests
 
-    from tests.conftest import train_ranks_of
-
-    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, HF_HUB_OFFLINE="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    repo = _repo_with_store(built, tmp_path / "repo", env, epochs=2, total_seq_len=96, draft_vocab_size=64,
-                            num_workers=0)
-    out, spool = repo / "runs/train", repo / "runs/train/tracking-spool.jsonl"
-
     # --- dvc repro: train, evaluate, export; the server dies after epoch 1's checkpoint
-    dvc = subprocess.Popen(["dvc", "repro", "--downstream", "train"], cwd=repo, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
-    ranks = wait_for(lambda: train_ranks_of(out), 30, "the rank")
-    for pid in ranks:  # held while the server goes, so the steps after it certainly meet the outage
-        os.kill(pid, signal.SIGSTOP)
-    mlflow_server.kill()
-    for pid in ranks:
-        os.kill(pid, signal.SIGCONT)
+    dvc, repo, env = _repro_until_the_server_dies(built, tmp_path, mlflow_server)
+    out, spool = repo / "runs/train", repo / "runs/train/tracking-spool.jsonl"
     wait_for(lambda: _spooled_steps(spool), 120, "the rank to keep an outage step in the spool", dvc)
     mlflow_server.start()  # same port, same PostgreSQL store
     output = dvc.communicate(timeout=600)[0]
@@ -195,22 +191,8 @@ def test_a_server_that_stays_down_to_the_end_costs_one_import(built, tmp_path, m
     import mlflow
     import requests
 
-    from tests.conftest import train_ranks_of
-
-    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, HF_HUB_OFFLINE="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    repo = _repo_with_store(built, tmp_path / "repo", env, epochs=2, total_seq_len=96, draft_vocab_size=64,
-                            num_workers=0)
+    dvc, repo, env = _repro_until_the_server_dies(built, tmp_path, mlflow_server)  # down until dvc repro ends
     out, spool = repo / "runs/train", repo / "runs/train/tracking-spool.jsonl"
-    dvc = subprocess.Popen(["dvc", "repro", "--downstream", "train"], cwd=repo, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (out / "checkpoints" / "0" / "training_state.json").exists(), 300, "epoch 1's checkpoint", dvc)
-    ranks = wait_for(lambda: train_ranks_of(out), 30, "the rank")
-    for pid in ranks:
-        os.kill(pid, signal.SIGSTOP)
-    mlflow_server.kill()  # and it stays down until dvc repro has ended
-    for pid in ranks:
-        os.kill(pid, signal.SIGCONT)
     output = dvc.communicate(timeout=900)[0]
     assert dvc.returncode == 0, output[-4000:]
     flat = [" ".join(line.split()) for line in output.splitlines()]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from draftlab.rundir import TrialDir
+from tests.conftest import trial_params
 from tests.waiting import wait_for
 
 _wait = functools.partial(wait_for, poll_s=1)  # a study is read from storage: poll it less often
@@ -37,10 +38,7 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     from optuna.storages.journal import JournalFileBackend
 
     params, target_dir, data_dir, store_dir = built
-    raw = params.model_dump()
-    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64, "num_workers": 0})
-    raw["evaluate"].update({"num_prompts": 4, "max_new_tokens": 12})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(trial_params(params)))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump({
         "study": "it", "params": "params.yaml", "budget": BUDGET_S, "devices": 2, "stop_grace_s": 5,
         "pruner": {"kind": "none"},

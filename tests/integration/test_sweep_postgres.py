@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, trial_params
 from tests.sweep_sim import GRACE, POLL, FakeClock, SimLauncher, make_spec, make_worker, run_side_by_side
 from tests.waiting import wait_for
 
@@ -220,10 +220,7 @@ def test_one_real_trial_on_postgresql_logs_to_a_shared_mlflow_server(built, tmp_
     from draftlab.sweep import calibration
 
     params, target_dir, data_dir, store_dir = built
-    raw = params.model_dump()
-    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64, "num_workers": 0})
-    raw["evaluate"].update({"num_prompts": 4, "max_new_tokens": 12})
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(trial_params(params)))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump({
         "study": "real", "params": "params.yaml", "budget": 1800, "devices": 1, "storage": postgres_url,
         "pruner": {"kind": "none"}, "calibration": {"reuse": False},

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from draftlab.rundir import RunDir
+from tests.conftest import train_command
 from tests.waiting import wait_for
 
 # lr 1e30 with no schedule: global step 0 trains from finite weights (its loss is finite), AdamW's
@@ -34,22 +34,8 @@ def _params(built, **train):
     return parse_params(raw)
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    import mlflow
-
-    mlflow.set_tracking_uri(uri)
-    return mlflow.MlflowClient(uri)
-
-
 def _cli_train(built, params, tmp_path, out, env=None, **popen):
-    _, target_dir, data_dir, store_dir = built
-    path = tmp_path / f"params-{out.name}.yaml"
-    path.write_text(yaml.safe_dump(params.model_dump()))
-    cmd = [sys.executable, "-m", "draftlab.cli", "train", "--params", str(path), "--target", str(target_dir),
-           "--data", str(data_dir), "--store", str(store_dir), "--out", str(out)]
+    cmd = train_command(built, params, tmp_path / f"params-{out.name}.yaml", out)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or dict(os.environ), **popen)
 
