@@ -4,6 +4,7 @@ snapshot folder for loaders that take no revision) and part of the store's and r
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_only_a_hub_target_takes_a_revision():
         parse_params({"target": {"source": "local", "path": "m", "revision": COMMIT}})
 
 
-def test_every_transformers_load_and_the_vllm_server_get_the_revision():
+def test_every_transformers_load_and_the_vllm_server_get_the_revision(monkeypatch):
     from draftlab.models import revision_kwargs
     from draftlab.store import vllm_extract
 
@@ -61,6 +62,14 @@ def test_every_transformers_load_and_the_vllm_server_get_the_revision():
                                       hidden_states_path=Path("/tmp/hs"))
     for flag in ("--revision", "--code-revision", "--tokenizer-revision"):
         assert cmd[cmd.index(flag) + 1] == COMMIT
+    from draftlab.serve import serving, vllm_env
+
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, sys.executable)  # the command only, nothing is started
+    served = serving.vllm_serve_command("org/model", "/d", num_speculative_tokens=3, gpu_memory_utilization=0.8,
+                                        speculative=True, gpu=True, revision=COMMIT, trust_remote_code=True)
+    assert "--trust-remote-code" in served
+    for flag in ("--revision", "--code-revision", "--tokenizer-revision"):
+        assert served[served.index(flag) + 1] == COMMIT, "evaluate's vLLM server loads the pinned commit too"
 
 
 def test_a_cached_pinned_commit_resolves_to_its_snapshot_folder(tmp_path, monkeypatch):

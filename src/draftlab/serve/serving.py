@@ -107,15 +107,21 @@ def server_env(env: dict | None = None) -> dict:
 
 def vllm_serve_command(target: str, draft_dir: str | Path, *, num_speculative_tokens: int,
                        gpu_memory_utilization: float, speculative: bool, gpu: bool | None = None,
-                       dtype: str | None = None) -> list[str]:
+                       dtype: str | None = None, revision: str | None = None,
+                       trust_remote_code: bool = False) -> list[str]:
     """vLLM serving the target, with the draft as an EAGLE-3 speculator when `speculative` (the
-    `--speculative-config` of the export's README). Host, port and key are added by `running`."""
+    `--speculative-config` of the export's README). Host, port and key are added by `running`.
+    `revision`: a hub target's pinned commit, for its weights, code and tokenizer alike."""
     gpu = on_cuda_host() if gpu is None else gpu
     cmd = [*server_prefix(str(target), gpu=gpu), "--served-model-name", SERVED_NAME, "--seed", "0"]
     if gpu:
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if dtype:
         cmd += ["--dtype", dtype]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if revision:
+        cmd += ["--revision", revision, "--code-revision", revision, "--tokenizer-revision", revision]
     if speculative:
         spec = {"model": str(draft_dir), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -412,7 +418,7 @@ def summarize(spec_run: dict, plain_run: dict, num_speculative_tokens: int) -> d
 def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculative_tokens: int, max_tokens: int,
                   log_dir: Path, gpu_memory_utilization: float = 0.85, stop_token_ids: list[int] = (),
                   dtype: str | None = None, startup_timeout_s: float = 1800.0, port: int | None = None,
-                  runs_out: dict | None = None) -> dict:
+                  runs_out: dict | None = None, revision: str | None = None, trust_remote_code: bool = False) -> dict:
     """Speculative then plain vLLM server on the same prompts; `eval/vllm_*` metrics. `runs_out`,
     when given, receives both runs (their texts, token ids and per-prompt counters)."""
     from draftlab.models import check_against_target
@@ -432,7 +438,7 @@ def run_benchmark(*, target: str, draft_dir: Path, prompts: list, num_speculativ
         what = "speculative" if speculative else "plain"
         command = vllm_serve_command(target, draft_dir.resolve(), num_speculative_tokens=num_speculative_tokens,
                                      gpu_memory_utilization=gpu_memory_utilization, speculative=speculative,
-                                     dtype=dtype)
+                                     dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
         runs[what] = benchmark_server(command, prompts=prompts, max_tokens=max_tokens,
                                       log_path=Path(log_dir) / f"vllm_{what}.log", speculative=speculative,
                                       stop_token_ids=stop_token_ids, startup_timeout_s=startup_timeout_s, port=port)

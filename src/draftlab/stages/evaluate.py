@@ -174,7 +174,9 @@ def _vllm(params: Params, prompts, *, target_dir: Path, train_dir: Path, store_d
             num_speculative_tokens=params.evaluate.num_speculative_tokens or params.train.ttt_steps,
             max_tokens=params.evaluate.max_new_tokens, port=params.evaluate.vllm_port,
             gpu_memory_utilization=params.evaluate.vllm_gpu_memory_utilization, log_dir=out_dir / "vllm",
-            stop_token_ids=stop_token_ids, dtype=params.target.dtype, runs_out=runs)
+            stop_token_ids=stop_token_ids, dtype=params.target.dtype, runs_out=runs,
+            revision=params.target.revision if params.target.source == "hub" else None,
+            trust_remote_code=params.target.trust_remote_code)
     vllm.update(compare_with_vllm(hf_per_prompt, runs["speculative"]["per_prompt"], runs["plain"]["token_ids"]))
     return vllm
 
