@@ -99,3 +99,13 @@ def test_the_revision_is_part_of_the_store_key_and_the_run_key(tmp_path):
     (tmp_path / "data").mkdir()
     keys = {run_key(hub(revision=r), "sha", tmp_path / "data") for r in (COMMIT, OTHER)}
     assert len(keys) == 2
+
+
+def test_the_exports_readme_serves_a_pinned_hub_target_at_its_commit():
+    from draftlab.serve import draft_export
+
+    line = draft_export.serve_command("org/model", "models/draft", 3, revision=COMMIT, trust_remote_code=True)
+    words = line.split()
+    assert words[:3] == ["vllm", "serve", "org/model"] and "--trust-remote-code" in words
+    assert all(words[words.index(f) + 1] == COMMIT for f in ("--revision", "--code-revision", "--tokenizer-revision"))
+    assert "--revision" not in draft_export.serve_command("models/target", "models/draft", 3)

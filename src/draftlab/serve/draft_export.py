@@ -34,9 +34,17 @@ class Exported:
     serve_command: str
 
 
-def serve_command(served_target: str, draft_dir: str, num_speculative_tokens: int) -> str:
+def serve_command(served_target: str, draft_dir: str, num_speculative_tokens: int, *, revision: str | None = None,
+                  trust_remote_code: bool = False) -> str:
+    """The README's `vllm serve` line; a hub target pinned by `target.revision` is served at that
+    commit (weights, code and tokenizer)."""
     spec = json.dumps({"model": str(draft_dir), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens})
-    return f"vllm serve {shlex.quote(str(served_target))} --speculative-config {shlex.quote(spec)}"
+    line = f"vllm serve {shlex.quote(str(served_target))} --speculative-config {shlex.quote(spec)}"
+    if trust_remote_code:
+        line += " --trust-remote-code"
+    if revision:
+        line += f" --revision {revision} --code-revision {revision} --tokenizer-revision {revision}"
+    return line
 
 
 def load_weights(checkpoint: Path) -> dict:
@@ -119,7 +127,8 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     weights = load_weights(checkpoint)
     check_weights(weights, target_cfg, manifest, source=str(checkpoint))
     weights = {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous() for name, t in weights.items()}
-    command = serve_command(serving, str(out_dir), k)
+    pinned = params.target.revision if params.target.source == "hub" and serving == params.target.path else None
+    command = serve_command(serving, str(out_dir), k, revision=pinned, trust_remote_code=params.target.trust_remote_code)
     with atomic_dir(out_dir, record="export.json") as tmp:  # the record marks an older draftlab's folder
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
