@@ -32,7 +32,7 @@ def missing() -> str | None:
 
 
 @contextlib.contextmanager
-def chromium(profile: Path):
+def chromium(profile: Path, auth: tuple[str, str] | None = None):
     """A fresh browser with its own --user-data-dir, quit (driver and browser) at the end."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -42,6 +42,12 @@ def chromium(profile: Path):
     for flag in [*FLAGS, f"--user-data-dir={profile}"]:
         options.add_argument(flag)
     browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    if auth is not None:  # a server behind basic auth (compose's MLflow): every request carries the login
+        import base64
+
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        browser.execute_cdp_cmd("Network.enable", {})
+        browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {token}"}})
     try:
         yield browser
     finally:

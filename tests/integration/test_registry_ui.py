@@ -61,6 +61,9 @@ def trained(request, built, tmp_path_factory):
     server = _start_server(request.param, root, make_db)
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", server.url)
+    auth = getattr(server, "auth", None) if request.param == "postgresql" else None  # compose's server: basic auth
+    for k, v in (server.login_env if auth else {}).items():
+        mp.setenv(k, v)
     import mlflow
 
     mlflow.set_tracking_uri(server.url)
@@ -81,7 +84,7 @@ def trained(request, built, tmp_path_factory):
             assert not spool_beside(draft).exists() and not spool_beside(reports).exists(), "nothing spooled"
             drafts.append({"run_id": result.run_id, "draft": draft, "reports": reports})
         client = mlflow.MlflowClient(server.url)
-        yield {"kind": request.param, "url": server.url, "client": client, "drafts": drafts, "root": root,
+        yield {"kind": request.param, "url": server.url, "client": client, "drafts": drafts, "root": root, "auth": auth,
                "experiment": client.get_experiment_by_name("draftlab").experiment_id}
     finally:
         mp.undo()
@@ -121,9 +124,9 @@ def test_each_export_is_a_version_and_an_alias_downloads_the_very_folder(trained
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-# Served by real vLLM: runs where the CPU vLLM venv exists (scripts/install-vllm.sh of the vLLM evaluate
-# backend makes .venv-vllm; its tiny target has the head size vLLM's CPU attention needs). To be
-# wired to that backend's server helper (draftlab.serve.serving) when both are in one tree.
+# Served by real vLLM: runs where the CPU vLLM venv exists (scripts/install.sh --test makes .venv-vllm;
+# the tiny target has the head size vLLM's CPU attention needs). Started as a user would start it from
+# the downloaded folder alone (`vllm serve <folder>`), not through draftlab's server helper.
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="served by real vLLM: needs .venv-vllm "
                     "(scripts/install-vllm.sh of the vLLM evaluate backend); absent here")
 def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
@@ -159,7 +162,9 @@ def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
                 return False
 
         wait_for(healthy, 600, "vLLM serving the downloaded draft")
-        body = json.dumps({"model": folder, "prompt": "Hello", "max_tokens": 16, "temperature": 0}).encode()
+        # ignore_eos: the tiny target may end a text prompt at once, and an ended request drafts nothing
+        body = json.dumps({"model": folder, "prompt": "Hello", "max_tokens": 16, "temperature": 0,
+                           "ignore_eos": True}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as r:
@@ -211,7 +216,7 @@ def test_the_ui_in_chromium_compares_the_curves_shows_the_data_and_lists_the_ver
     client, drafts, url, exp = trained["client"], trained["drafts"], trained["url"], trained["experiment"]
     names = [client.get_run(d["run_id"]).info.run_name for d in drafts]
     suffix = "" if trained["kind"] == "sqlite" else "-team"
-    with chromium_browser.chromium(tmp_path / "profile") as browser:
+    with chromium_browser.chromium(tmp_path / "profile", auth=trained["auth"]) as browser:
         # the compare view of the two runs, at its train/loss page (where the compare table's
         # train/loss link leads): both runs' curves
         runs = urllib.parse.quote(json.dumps([d["run_id"] for d in drafts]), safe="")
