@@ -1,6 +1,6 @@
 """The convergence watch and `draftlab status` on real trainings: torchrun, 2 gloo ranks,
-speculators' trainer, a real MLflow store (the session's tiny pipeline, 7 global steps an epoch
-at 2 ranks). Nothing here depends on the machine's speed: a training that must be seen running
+speculators' trainer, a real MLflow store (the session's tiny pipeline; its steps are counted by draftlab's
+plan, as the tests read them). Nothing here depends on the machine's speed: a training that must be seen running
 is held at a step the test names (a sitecustomize on the ranks' PYTHONPATH)."""
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ def _params(built, **train):
     raw = built[0].model_dump()
     raw["train"].update({"epochs": 3, "total_seq_len": 128, "draft_vocab_size": 64, "gpus": 2, **train})
     return parse_params(raw)
+
+
+def _steps(params, built) -> tuple[int, int]:
+    """(global steps of epoch 0, total steps) as draftlab's plan counts them for this data."""
+    from draftlab.training.job import plan
+
+    a, _ = plan(params, built[2])
+    return a.epochs[0].steps, a.total_steps
 
 
 def _cli_train(built, params, tmp_path, out, env=None, **popen):
@@ -87,10 +95,18 @@ def test_a_far_too_large_lr_diverges_stops_in_one_line_and_keeps_the_good_checkp
 
 
 # `stalled` is a finding that the loss is flat within its noise. The tiny pipeline's loss varies
-# about 10 % from step to step (39 samples, 21 steps): at the default stall_frac (2 %) a lr-0 run
-# reads `cannot tell yet` to its end (measured: halves' fall −0.4 %, its noise 13–15 %), as it
-# should; showing "no fall of 30 %" is within this run's reach, and a learning run here falls 50 %+.
+# about 10 % from step to step: at the default stall_frac (2 %) a lr-0 run of ~21 steps reads
+# `cannot tell yet` to its end (measured: halves' fall −0.4 %, its noise 13–15 %), as it should;
+# showing "no fall of 30 %" is within reach of 20+ steps (a run of 12 could not show it), and a
+# learning run here falls 50 %+.
 FLAT_WATCH = {"stall_frac": 0.3}
+FLAT_STEPS = 21
+
+
+def _flat_params(built, **train):
+    """lr 0 over enough epochs for FLAT_STEPS steps on this data (the plan counts them)."""
+    epoch0, _ = _steps(_params(built, epochs=1), built)
+    return _params(built, lr=0.0, watch=FLAT_WATCH, epochs=-(-FLAT_STEPS // epoch0), **train)
 
 
 def test_lr_0_is_reported_stalled(built, tmp_path, mlflow_store):
@@ -98,7 +114,7 @@ def test_lr_0_is_reported_stalled(built, tmp_path, mlflow_store):
 
     _, target_dir, data_dir, store_dir = built
     out = tmp_path / "lr0"
-    train.run(_params(built, lr=0.0, watch=FLAT_WATCH), target_dir=target_dir, data_dir=data_dir,
+    train.run(_flat_params(built), target_dir=target_dir, data_dir=data_dir,
               store_dir=store_dir, out_dir=out)
     run = _run_of(mlflow_store, out)
     assert run.info.status == "FINISHED"
@@ -150,23 +166,27 @@ def test_status_from_another_process_shows_the_progress_then_the_end(built, tmp_
     site.mkdir()
     (site / "sitecustomize.py").write_text(HOLD)
     held, go = tmp_path / "held", tmp_path / "go"
-    env = dict(os.environ, HOLD_AT_STEP="9", HELD_FILE=str(held), GO_FILE=str(go),
+    params = _params(built, lr=3e-3)
+    epoch0, total = _steps(params, built)
+    hold = epoch0 + 2  # in epoch 1, after epoch 0's checkpoint
+    assert hold < total
+    env = dict(os.environ, HOLD_AT_STEP=str(hold), HELD_FILE=str(held), GO_FILE=str(go),
                PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "watched"
     code, msg = _status(out)
     assert code == 2 and "not found" in msg
-    proc = _cli_train(built, _params(built, lr=3e-3), tmp_path, out, env=env)
+    proc = _cli_train(built, params, tmp_path, out, env=env)
     try:
-        wait_for(lambda: held.exists() or proc.poll() is not None, 900, "the training to reach step 9")
+        wait_for(lambda: held.exists() or proc.poll() is not None, 900, f"the training to reach step {hold}")
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         code, info = _status(out)
         assert code == 0, info
         assert info["state"] == "running"
-        assert info["step"] == 10 and info["total_steps"] == 21 and info["epoch"] == 1
+        assert info["step"] == hold + 1 and info["total_steps"] == total and info["epoch"] == 1
         assert set(info["losses"]) >= {"loss_0", "loss_1", "loss_2"}
         assert info["convergence"]["trend"] == "learning"
         assert info["eta"]["s"] is not None
-        assert info["checkpoint"]["global_step"] == 7, "epoch 0's checkpoint"
+        assert info["checkpoint"]["global_step"] == epoch0, "epoch 0's checkpoint"
         assert info["mlflow"]["run_id"] == RunDir(out).run.read().run_id
         assert info["mlflow"]["ui"].endswith(f"/runs/{info['mlflow']['run_id']}?workflowType=machine_learning")
         assert info["tracking"] == {"spooling": False, "records_waiting": 0}
@@ -175,7 +195,7 @@ def test_status_from_another_process_shows_the_progress_then_the_end(built, tmp_
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-3000:]
     code, info = _status(out)
-    assert code == 0 and info["state"] == "finished" and info["step"] == 21
+    assert code == 0 and info["state"] == "finished" and info["step"] == total
     assert info["bottleneck"]["label"]
 
 
