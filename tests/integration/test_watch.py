@@ -42,6 +42,16 @@ def _steps(params, built) -> tuple[int, int]:
     return a.epochs[0].steps, a.total_steps
 
 
+def _epoch_ends(params, built) -> tuple[list[int], int]:
+    """(global step at the end of each epoch, total steps), from draftlab's plan."""
+    from itertools import accumulate
+
+    from draftlab.training.job import plan
+
+    a, _ = plan(params, built[2])
+    return list(accumulate(e.steps for e in a.epochs)), a.total_steps
+
+
 def _cli_train(built, params, tmp_path, out, env=None, **popen):
     cmd = train_command(built, params, tmp_path / f"params-{out.name}.yaml", out)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -166,10 +176,13 @@ def test_status_from_another_process_shows_the_progress_then_the_end(built, tmp_
     site.mkdir()
     (site / "sitecustomize.py").write_text(HOLD)
     held, go = tmp_path / "held", tmp_path / "go"
-    params = _params(built, lr=3e-3)
-    epoch0, total = _steps(params, built)
-    hold = epoch0 + 2  # in epoch 1, after epoch 0's checkpoint
-    assert hold < total
+    # held at step 9 (past warm-up, where the trend reads `learning`) of a run of 21+ steps
+    epoch0, _ = _steps(_params(built, epochs=1), built)
+    params = _params(built, lr=3e-3, epochs=max(3, -(-FLAT_STEPS // epoch0)))
+    ends, total = _epoch_ends(params, built)
+    hold = 9
+    epoch = next(e for e, end in enumerate(ends) if end > hold)
+    assert epoch >= 1 and hold < total
     env = dict(os.environ, HOLD_AT_STEP=str(hold), HELD_FILE=str(held), GO_FILE=str(go),
                PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "watched"
@@ -182,11 +195,11 @@ def test_status_from_another_process_shows_the_progress_then_the_end(built, tmp_
         code, info = _status(out)
         assert code == 0, info
         assert info["state"] == "running"
-        assert info["step"] == hold + 1 and info["total_steps"] == total and info["epoch"] == 1
+        assert info["step"] == hold + 1 and info["total_steps"] == total and info["epoch"] == epoch
         assert set(info["losses"]) >= {"loss_0", "loss_1", "loss_2"}
         assert info["convergence"]["trend"] == "learning"
         assert info["eta"]["s"] is not None
-        assert info["checkpoint"]["global_step"] == epoch0, "epoch 0's checkpoint"
+        assert info["checkpoint"]["global_step"] == ends[epoch - 1], "the last finished epoch's checkpoint"
         assert info["mlflow"]["run_id"] == RunDir(out).run.read().run_id
         assert info["mlflow"]["ui"].endswith(f"/runs/{info['mlflow']['run_id']}?workflowType=machine_learning")
         assert info["tracking"] == {"spooling": False, "records_waiting": 0}
