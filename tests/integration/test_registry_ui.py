@@ -181,7 +181,7 @@ def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
         log.close()
 
 
-def _wait_text(browser, needles, timeout_s=60.0) -> str:
+def _wait_text(browser, needles, timeout_s=300.0) -> str:
     """The page's text (all of it, overflowing cells included) once it holds every needle."""
     deadline = time.monotonic() + timeout_s
     text = ""
@@ -227,8 +227,19 @@ def test_the_ui_in_chromium_compares_the_curves_shows_the_data_and_lists_the_ver
         text = _wait_text(browser, ["Comparing 2 Runs", *(f"{n} (train/loss)" for n in names)])
         assert all(f"(step={s})" in text for s in last), text[-2000:]
         _close_assistant(browser)
-        lines = browser.find_elements("css selector", ".scatterlayer .trace path.js-line")
-        drawn = [c for c in lines if len(c.get_attribute("d") or "") > 50]
+        # the text comes before the chart: the curves are drawn when the plot has rendered
+        deadline, drawn, lines = time.monotonic() + 300, [], []
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        while time.monotonic() < deadline:
+            try:
+                lines = browser.find_elements("css selector", ".scatterlayer .trace path.js-line")
+                drawn = [c for c in lines if len(c.get_attribute("d") or "") > 50]
+            except StaleElementReferenceException:  # redrawn while read: read again
+                drawn = []
+            if len(drawn) >= 2:
+                break
+            time.sleep(0.5)
         assert len(drawn) >= 2, f"drawn train/loss curves: {len(drawn)} of {len(lines)}"
         _shoot(browser, f"compare-train-loss{suffix}", tmp_path)
 
