@@ -27,7 +27,7 @@ RESERVED_TRAIN_FLAGS = (
     "--scheduler-total-steps", "--total-seq-len", "--num-workers", "--prefetch-factor", "--ttt-steps",
     "--draft-vocab-size", "--num-layers", "--seed", "--checkpoint-freq", "--train-data-ratio",
     "--hidden-states-dtype", "--target-layer-ids", "--d2t-path", "--t2d-path", "--on-missing", "--max-steps",
-    "--fsdp-shard",
+    "--fsdp-shard", "--vllm-endpoint",
 )
 # set only on a CPU run (speculators' GPU kernels have no CPU backward); a GPU run may choose them
 CPU_TRAIN_FLAGS = ("--draft-attn-impl", "--loss-implementation")
@@ -323,6 +323,20 @@ class Train(Section):
         default_factory=list, description="More `speculators train` flags, passed through verbatim; a flag "
         "draftlab sets itself (paths, epochs, lr, seed, layer ids, …) is refused."
     )
+    source: Literal["store", "vllm"] = Field(
+        "store",
+        description="Where the trainer's hidden states come from. `store`: the extract stage's store on disk "
+        "(`--store`). `vllm` (online): a running vLLM computes each sample's hidden states when a rank's loader "
+        "asks for it (speculators' `--on-missing generate`); no store is written or read. The server is "
+        "draftlab's own (started and stopped with the training, configured as extraction's: extract.layer_ids, "
+        "extract.vllm_*), or the one at `train.vllm_url`. `dvc.yaml`'s `train_online` stage is this mode.",
+    )
+    vllm_url: str | None = Field(
+        None,
+        description="With `source: vllm`: the OpenAI endpoint (`http://host:port/v1`) of a vLLM already serving "
+        "the target for hidden-state extraction (the `extract_hidden_states` speculative config and a hidden-state "
+        "connector writing where this host reads); null = draftlab starts its own.",
+    )
     verify_reads: Literal["sha256", "header"] = Field(
         "sha256",
         description="What the training loader checks of each hidden-state file it reads against the "
@@ -347,6 +361,20 @@ class Train(Section):
             raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes} (nodes are 0..{self.nnodes - 1})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint: host:port on node 0, the same on every node")
+        return self
+
+    @model_validator(mode="after")
+    def _online(self) -> Train:
+        if self.source == "vllm" and self.nnodes > 1:
+            raise ValueError(f"source: vllm trains on one node (the server's connector writes files the ranks read "
+                             f"on its host); nnodes is {self.nnodes}: set nnodes: 1 or source: store")
+        if self.vllm_url is not None:
+            if self.source != "vllm":
+                raise ValueError(f"vllm_url is set ({self.vllm_url}) but source is {self.source!r}: set source: vllm "
+                                 "to train from that server, or remove vllm_url")
+            if not re.match(r"^https?://[^/\s]+(/\S*)?$", self.vllm_url):
+                raise ValueError(f"vllm_url: {self.vllm_url!r} is not an http(s) URL; give the server's OpenAI "
+                                 "endpoint, e.g. http://127.0.0.1:8000/v1")
         return self
 
     def world_size(self) -> int:

@@ -156,3 +156,22 @@ def test_relative_paths_are_relative_to_the_params_file_wherever_it_is_loaded_fr
     trial.write_text(yaml.safe_dump(params.model_dump()))
     assert load_params(trial) == params
     assert load_params(write(tmp_path, Params().model_dump())).target.path is None, "a tiny target has none"
+
+
+def test_online_training_params_are_checked_with_one_line_naming_the_key():
+    from draftlab.params import ParamsError, parse_params
+
+    def raw(**train):
+        return {"train": train}
+
+    assert parse_params(raw(source="vllm")).train.vllm_url is None, "null: draftlab starts its own server"
+    assert parse_params(raw(source="vllm", vllm_url="http://10.0.0.5:8000/v1")).train.vllm_url.endswith("/v1")
+    for bad, says in ((raw(vllm_url="http://h:1/v1"), "set source: vllm"),
+                      (raw(source="vllm", vllm_url="localhost:8000"), "not an http(s) URL"),
+                      (raw(source="vllm", nnodes=2, rdzv_endpoint="h:29400"), "trains on one node"),
+                      (raw(source="disk"), "train.source")):
+        with pytest.raises(ParamsError) as err:
+            parse_params(bad)
+        assert says in str(err.value) and "\n" not in str(err.value).strip()
+    with pytest.raises(ParamsError, match="--vllm-endpoint"):
+        parse_params(raw(extra_args=["--vllm-endpoint", "http://h:1/v1"]))

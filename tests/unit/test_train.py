@@ -24,9 +24,9 @@ from draftlab.training.rank import MetricsToTracker
 from tests.conftest import RecordingTracker, tiny_params
 
 
-def _argv(params, tmp_path, device="cpu"):
+def _argv(params, tmp_path, device="cpu", source=None):
     return job.speculators_argv(
-        params, verifier="v", data_dir=tmp_path / "data", source=StoreSource(tmp_path / "hs", "bfloat16"),
+        params, verifier="v", data_dir=tmp_path / "data", source=source or StoreSource(tmp_path / "hs", "bfloat16"),
         out_dir=tmp_path / "run",
         layer_ids=[2, 4, 5], total_steps=17, d2t=tmp_path / "d2t.npy", t2d=tmp_path / "t2d.npy", device=device)
 
@@ -64,10 +64,13 @@ def test_layer_ids_come_from_the_store_and_extra_args_cannot_name_others():
 
 
 def test_every_flag_draftlab_sets_is_one_extra_args_cannot_override(tmp_path):
-    """RESERVED_TRAIN_FLAGS is the list of what speculators_argv sets: the two cannot drift."""
+    """RESERVED_TRAIN_FLAGS is the list of what speculators_argv sets, with either source: the two cannot drift."""
     from draftlab.params import CPU_TRAIN_FLAGS, RESERVED_TRAIN_FLAGS
+    from draftlab.store.hidden_states import VllmSource
 
-    argv = _argv(tiny_params(train={"max_steps": 3, "sharding": "fsdp"}), tmp_path, device="cpu")
+    params = tiny_params(train={"max_steps": 3, "sharding": "fsdp"})
+    online = VllmSource(model="v", layer_ids=[2, 4, 5], exchange_dir=tmp_path / "x", endpoint="http://127.0.0.1:1/v1")
+    argv = _argv(params, tmp_path, device="cpu") + _argv(params, tmp_path, device="cpu", source=online)
     assert {a for a in argv if a.startswith("--")} == {*RESERVED_TRAIN_FLAGS, *CPU_TRAIN_FLAGS}
 
 

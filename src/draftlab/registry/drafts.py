@@ -58,20 +58,21 @@ def _rounded(value: float, places: int = 3) -> str:
     return f"{value:.{places}f}"
 
 
-def figures(*, draft_dir: Path, train_dir: Path, store_dir: Path, reports_dir: Path | None) -> tuple[dict, str]:
+def figures(*, draft_dir: Path, train_dir: Path, store_dir: Path, reports_dir: Path | None,
+            online: bool = False) -> tuple[dict, str]:
     """(tags, description) of the draft exported into `draft_dir`: acceptance (from the evaluate
     stage's reports of the same run, where present), the draft's shape, the store's dtype and
-    what its training cost."""
+    what its training cost. `online`: trained from a live vLLM (train.source: vllm), no store."""
     from draftlab.rundir import RunDir, export_record
     from draftlab.store import layout as store
 
     exported = export_record(draft_dir).read()
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
     train = RunDir(train_dir).train.read()
-    manifest = store.read_manifest(store_dir)
+    dtype = "online (vllm)" if online else store.read_manifest(store_dir).dtype
     tokens = round(train.tokens_per_s * (train.torchrun_wall_s or train.wall_clock_s))
     tags = {"draft.vocab_size": str(cfg.get("draft_vocab_size", "")), "draft.layer_ids": json.dumps(exported.layer_ids),
-            "draft.num_speculative_tokens": str(exported.num_speculative_tokens), "store.dtype": manifest.dtype,
+            "draft.num_speculative_tokens": str(exported.num_speculative_tokens), "store.dtype": dtype,
             "train.tokens": str(tokens), "train.hours": _rounded(train.wall_clock_s / 3600, 4),
             "train.world_size": str(train.world_size), "train.steps": str(train.total_steps),
             "target": exported.verifier_path}
@@ -91,7 +92,7 @@ def figures(*, draft_dir: Path, train_dir: Path, store_dir: Path, reports_dir: P
             tags[tag] = json.dumps([round(r, 3) for r in rates])
     acceptance = ("acceptance length " + ", ".join(parts)) if parts else "not evaluated (run `draftlab evaluate`)"
     description = (f"{acceptance}; draft vocab {tags['draft.vocab_size']}, layers {exported.layer_ids}, "
-                   f"store {manifest.dtype}; {tokens:,} tokens in {train.wall_clock_s / 3600:.2f} h on "
+                   f"store {dtype}; {tokens:,} tokens in {train.wall_clock_s / 3600:.2f} h on "
                    f"{train.world_size} rank(s), {train.total_steps} steps")
     return tags, description
 
@@ -118,7 +119,8 @@ def register_export(params, tracker, *, draft_dir: Path, train_dir: Path, store_
     """Log and register the draft in `draft_dir` through `tracker` (its training run); the line
     to print, or None while MLflow is away (the registration waits in the tracker's spool)."""
     name = model_name(params)
-    tags, description = figures(draft_dir=draft_dir, train_dir=train_dir, store_dir=store_dir, reports_dir=reports_dir)
+    tags, description = figures(draft_dir=draft_dir, train_dir=train_dir, store_dir=store_dir, reports_dir=reports_dir,
+                                online=params.train.source == "vllm")
     payload = {"path": str(Path(draft_dir).resolve()), "digest": folder_digest(draft_dir), "name": name,
                "tags": tags, "description": description}
     done: dict = {}

@@ -44,6 +44,13 @@ def store_dataset(store_dir: Path, *, context: str) -> dict[str, str]:
     return _dataset(STORE, sha, store_dir, profile, context)
 
 
+def source_datasets(source, *, context: str) -> list[dict[str, str]]:
+    """Where the hidden states came from (`HiddenStateSource.lineage`) as dataset records: the
+    store, or the online server's description; none for a source that records nothing."""
+    what = source.lineage()
+    return [] if what is None else [_dataset(what["name"], what["sha"], what["path"], what["profile"], context)]
+
+
 def _dataset(name: str, sha: str, path: Path, profile: dict, context: str) -> dict[str, str]:
     return {"name": name, "digest": sha[:DIGEST_CHARS], "source_type": "local",
             "source": json.dumps({"uri": str(Path(path).resolve())}), "profile": json.dumps(profile),

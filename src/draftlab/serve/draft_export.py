@@ -111,8 +111,9 @@ def export_draft(params: Params, *, target_dir: Path, train_dir: Path, store_dir
     verifier_local = resolve(params, target_dir)
     target_config = Path(verifier_local) / "config.json"
     target_cfg = json.loads(target_config.read_text()) if target_config.is_file() else {}
-    manifest = StoreDir(store_dir).manifest.read()  # the record alone: serving needs nothing of the store package
-    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or manifest.layer_ids
+    # the record alone: serving needs nothing of the store package (online training read no store)
+    manifest = StoreDir(store_dir).manifest.read() if params.train.source == "store" else None
+    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (manifest.layer_ids if manifest else [])
     if len(layer_ids) != 3:
         raise ParamsError(f"{source}: {len(layer_ids)} aux layer ids {list(layer_ids)}; vLLM's EAGLE-3 loader "
                           "needs exactly 3 (set extract.layer_ids to 3 ids and retrain)")

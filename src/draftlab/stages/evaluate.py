@@ -33,7 +33,7 @@ from pathlib import Path
 from draftlab.params import Params
 from draftlab.rundir import RunDir
 from draftlab.store import layout as store
-from draftlab.store.hidden_states import HiddenStateSource, source_for_store
+from draftlab.store.hidden_states import HiddenStateSource, source_for
 from draftlab.training import metrics as train_metrics
 from draftlab.util import write_json_atomic
 
@@ -260,7 +260,7 @@ def _plots(train_dir: Path, steps: int, metrics: dict, out_dir: Path) -> None:
             w.writerow([step, *[rec.get(f"train/loss_{s}", "") for s in range(steps)]])
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, train_dir: Path,
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | None, train_dir: Path,
         out_dir: Path, tracker=None) -> EvaluateResult:
     from draftlab.console import console
     from draftlab.models import load_draft, load_target, resolve
@@ -278,17 +278,18 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, tr
         console.print(f"[yellow]evaluate[/]: {train_dir} is a step-limited calibration run "
                       f"({train.total_steps} steps), not a trained draft: its acceptance figures are "
                       "marked eval/calibration = 1 and say nothing about a trained draft")
-    manifest = store.read_manifest(store_dir)
+    # the validation split's hidden states, from where training read them (train.source)
+    source = source_for(params, store_dir=store_dir, target_dir=target_dir, out_dir=out_dir)
     target, tokenizer = load_target(params, target_dir, device=placement.device)
     draft = load_draft(Path(train.checkpoint), resolve(params, target_dir)).to(placement.device)
-    with devices.autocast(placement):
-        metrics = simulated(params, draft, target, data_dir, source_for_store(store_dir))
+    with source.opened(console) as live, devices.autocast(placement):
+        metrics = simulated(params, draft, target, data_dir, live)
     from draftlab.serve.specdec import held_out_prompts
 
     prompts = held_out_prompts(data_dir, params.data.train_ratio, params.evaluate.num_prompts)
     per_prompt: list[dict] = []
     with devices.autocast(placement):
-        metrics.update(measured(params, draft, target, tokenizer, prompts, manifest.layer_ids, per_prompt))
+        metrics.update(measured(params, draft, target, tokenizer, prompts, source.layer_ids, per_prompt))
     if params.evaluate.backend == "vllm":
         from draftlab.generation import stop_token_ids
 

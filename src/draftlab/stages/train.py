@@ -24,7 +24,6 @@ from pathlib import Path
 
 from draftlab.params import Params
 from draftlab.rundir import Command, RunDir
-from draftlab.store import layout as store
 from draftlab.registry import lineage
 from draftlab.training import checkpoint as checkpoint_files
 from draftlab.training import launch, record
@@ -41,7 +40,7 @@ def _set_aside_if_stale(out_dir: Path, key: str, console) -> None:
         out_dir.rename(aside)
 
 
-def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, out_dir: Path,
+def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | None, out_dir: Path,
         run_tags: dict[str, str] | None = None, started_at: float | None = None) -> TrainResult:
     """`run_tags` go on the MLflow run when it is created (a sweep's parent id and trial number).
     `started_at`: when this training's process started (time.time()); default: now. Everything
@@ -56,8 +55,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     from draftlab.tracking import MlflowTracker
 
     # preflight and plan: every check, then the exact accounting, before anything is written
-    layer_ids, source, device = preflight(params, data_dir, store_dir, console)
-    manifest_sha = store.manifest_hash(store_dir)
+    layer_ids, source, device = preflight(params, data_dir, store_dir, console, target_dir=target_dir, out_dir=out_dir)
+    manifest_sha = source.identity()  # what the hidden states are (a store's manifest, or the online server's)
     key = run_key(params, manifest_sha, data_dir)
     a, step_tokens = plan(params, data_dir)
 
@@ -85,16 +84,17 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # the data as MLflow datasets (again on a resume: adds nothing)
         lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
                                                               train_ratio=params.data.train_ratio),
-                                     lineage.store_dataset(store_dir, context="training")])
+                                     *lineage.source_datasets(source, context="training")])
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
                                                manifest_sha=manifest_sha, device=device))
         vocab_mappings(params, target_dir, data_dir, out_dir)
-        cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=source, out_dir=out_dir,
-                                layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
-        rd.command.write(Command(cmd=cmd))
-        ranks = launch.run_ranks(cmd, env, rd, store_dir=store_dir, tracker=tracker, run_id=run_id, console=console,
-                                 device=device)
+        with source.opened(console) as live:  # online: the vLLM server the ranks ask, stopped on every exit
+            cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
+                                    layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
+            rd.command.write(Command(cmd=cmd))
+            ranks = launch.run_ranks(cmd, env, rd, store_dir=live.reads_from, tracker=tracker, run_id=run_id,
+                                     console=console, device=device)
         # check what the ranks did, then record it
         if ranks.rc != 0:
             raise record.failed(rd, ranks.rc, tracker, run_id, console)

@@ -15,7 +15,7 @@ from draftlab.params import CPU_TRAIN_FLAGS, Params, ParamsError, reserved_flag
 from draftlab.plan import accounting as acc
 from draftlab.rundir import Manifest, RunDir
 from draftlab.store import layout as store
-from draftlab.store.hidden_states import HiddenStateSource, StoreSource
+from draftlab.store.hidden_states import HiddenStateSource, source_for
 
 
 class TrainingFailed(UserError, RuntimeError):
@@ -66,7 +66,9 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
 
     # verify_reads and the watch change what is checked, not what is trained, and the rendezvous's address and
     # this node's rank where it runs: a run folder stays resumable across them
-    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint", "watch"}),
+    # (and an online source's server address: where, not what)
+    fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint", "watch",
+                                                        "vllm_url"}),
               "data": params.data.model_dump(),
               "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
     if params.target.revision:  # the verifier the trainer loads (only when pinned: other keys stay as they were)
@@ -202,7 +204,6 @@ def speculators_argv(params: Params, *, verifier: str, data_dir: Path, source: H
         "--target-layer-ids", *map(str, layer_ids),
         "--d2t-path", str(d2t),
         "--t2d-path", str(t2d),
-        "--on-missing", "raise",
     ]  # fmt: skip
     if device == "cpu":
         check_cpu_flags(params)
@@ -277,22 +278,24 @@ def last_global_step(checkpoints: Path) -> int | None:
     return checkpoint.last_global_step(checkpoints)
 
 
-def preflight(params: Params, data_dir: Path, store_dir: Path, console) -> tuple[list[int], HiddenStateSource, str]:
+def preflight(params: Params, data_dir: Path, store_dir: Path | None, console, *, target_dir: Path,
+              out_dir: Path) -> tuple[list[int], HiddenStateSource, str]:
     """Every check before anything is written or launched: (layer ids, hidden-state source, device)."""
-    manifest = store.read_manifest(store_dir)
-    layer_ids = check_layer_ids(params, manifest, store_dir)
-    store_dtype = manifest.dtype
-    if store_dtype == store.FP8:
-        from draftlab.store.capture import check_dtype
+    source = source_for(params, store_dir=store_dir, target_dir=target_dir, out_dir=out_dir)
+    if params.train.source == "store":
+        manifest = store.read_manifest(store_dir)
+        store_dtype = manifest.dtype
+        if store_dtype == store.FP8:
+            from draftlab.store.capture import check_dtype
 
-        check_dtype(store_dtype)
-    quick = store.verify(store_dir, full=False, record=True)
-    if quick:
-        raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
+            check_dtype(store_dtype)
+        quick = store.verify(store_dir, full=False, record=True)
+        if quick:
+            raise ParamsError(f"{quick[0]} ({len(quick)} bad file(s), `draftlab verify` lists them); {store.REPAIR}")
     check_seq_len(params, data_dir)
     device = resolve_device(params)
     if device == "cpu":
         check_cpu_flags(params)
     if device == "cpu" and params.train.sharding == "fsdp" and params.train.gpus == 1:
         console.print("[yellow]train[/]: FSDP over one rank shards nothing")
-    return layer_ids, StoreSource(store_dir, dtype=store_dtype), device
+    return source.layer_ids, source, device

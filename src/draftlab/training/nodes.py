@@ -96,7 +96,8 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
 
     t = params.train
     node = t.node_rank
-    layer_ids, source, device = tr.preflight(params, data_dir, store_dir, console)
+    layer_ids, source, device = tr.preflight(params, data_dir, store_dir, console, target_dir=target_dir,
+                                             out_dir=out_dir)
     a, _ = tr.plan(params, data_dir)
     rd = RunDir(out_dir)
     with launch.exclusive(out_dir, node):  # before anything of this node's in the folder is touched
@@ -111,7 +112,7 @@ def join(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, o
         wait_for_rendezvous(t.rdzv_endpoint, console)
         # node 0 wrote run.json before it opened the rendezvous: the same params and data, or no job
         state = rd.run.read_or_none()
-        key = tr.run_key(params, store.manifest_hash(store_dir), data_dir)
+        key = tr.run_key(params, source.identity(), data_dir)
         if state is None or state.key != key:
             raise ParamsError(f"{rd.run.path}: node 0 trains other params or data than this node's "
                               f"(run key {state.key[:12] if state else 'missing'} there, {key[:12]} here); give every "
