@@ -276,7 +276,8 @@ def _own_server(source: VllmSource, console):
 
 def exchange_dir(out_dir: Path) -> Path:
     """Where draftlab's online server writes for a stage writing `out_dir` (beside it)."""
-    return Path(out_dir).parent / f".vllm-{Path(out_dir).name}"
+    out_dir = Path(out_dir).absolute()  # the server and the ranks may not share a working directory
+    return out_dir.parent / f".vllm-{out_dir.name}"
 
 
 def source_for(params, *, store_dir: Path | None, target_dir: Path, out_dir: Path) -> HiddenStateSource:

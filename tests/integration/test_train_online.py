@@ -1,0 +1,108 @@
+"""Online training (`train.source: vllm`) against the real vLLM (the CPU build), started and stopped
+by draftlab: 2 gloo ranks whose loaders each ask the one server for every sample's hidden states,
+no store read or written, the step accounting checked, one MLflow run naming its source, `draftlab
+status`, a kill -9 mid-training resumed in the same run with nothing left running, then `draftlab
+evaluate` of the draft on hidden states from a server of its own.
+
+Needs vLLM (DRAFTLAB_VLLM_PYTHON or the checkout's .venv-vllm); skips with the reason without it.
+The session's tiny target has one head of size 32, the smallest vLLM's CPU attention serves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.rundir import RunDir
+from draftlab.serve import vllm_env
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(vllm_env.vllm_unavailable_reason() is not None,
+                                 reason=vllm_env.vllm_unavailable_reason() or "")]
+
+
+def _ours(mark: str) -> list[int]:
+    """Live processes started under this test's marker (the launcher, torchrun, the ranks, the vLLM
+    server and its engine, which vLLM retitles: found by their environment)."""
+    want, pids = f"DRAFTLAB_TEST_MARK={mark}".encode(), []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if want in env and state not in ("Z", "X"):
+                pids.append(int(d.name))
+    return pids
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_online_training_on_two_ranks_resumes_after_kill_9_and_its_draft_evaluates(built, tmp_path, mlflow_store):
+    params, target_dir, data_dir, store_dir = built
+    raw = params.model_dump()
+    raw["train"].update({"source": "vllm", "gpus": 2, "epochs": 3, "total_seq_len": 128, "draft_vocab_size": 64})
+    raw["evaluate"].update({"num_prompts": 2, "max_new_tokens": 8})
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw))
+    out, no_store, mark = tmp_path / "run", tmp_path / "no-store", str(tmp_path)
+    env = dict(os.environ, DRAFTLAB_TEST_MARK=mark)
+    cli = [sys.executable, "-m", "draftlab.cli"]
+    train = [*cli, "train", "--params", str(params_path), "--target", str(target_dir), "--data", str(data_dir),
+             "--store", str(no_store), "--out", str(out)]
+
+    # killed right after its first checkpoint: the server and both ranks go with the launcher
+    proc = subprocess.Popen(train, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "0" / "training_state.json").exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in 10 min"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not RunDir(out).train.exists(), "killed before the end"
+    _wait_for(lambda: not _ours(mark), 30, "the server and the ranks to die with their launcher")
+    run_id = RunDir(out).run.read().run_id
+
+    done = subprocess.run(train, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not _ours(mark), "nothing left running"
+    assert not no_store.exists() and not (tmp_path / ".vllm-run").exists(), "no store, no hidden-state file left"
+    record = RunDir(out).train.read()
+    assert record.run_id == run_id, "the resumed run is the killed one"
+    runs = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run = runs[0]
+    assert run.data.params["hidden_states.source"] == "vllm" and run.data.params["train.source"] == "vllm"
+    assert int(run.data.params["world_size"]) == 2
+    assert int(run.data.tags["draftlab.resumed_from_step"]) > 0
+    check = json.loads((out / "accounting-check.json").read_text())
+    assert check == {"problems": [], "observed_steps": record.total_steps}, "the plan's steps are the trainer's"
+    steps = [m.step for m in mlflow_store.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == list(range(record.total_steps)), "each step logged once across the kill"
+    status = json.loads(subprocess.run([*cli, "status", str(out), "--json"], env=env, capture_output=True,
+                                       text=True, check=True).stdout)
+    assert status["state"] == "finished" and status["step"] == record.total_steps
+    assert status["convergence"]["trend"], "the convergence watch ran"
+
+    reports = tmp_path / "reports"
+    done = subprocess.run([*cli, "evaluate", "--params", str(params_path), "--target", str(target_dir), "--data",
+                           str(data_dir), "--store", str(no_store), "--train", str(out), "--out", str(reports)],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not _ours(mark), "evaluate's server is stopped"
+    metrics = json.loads((reports / "metrics.json").read_text())
+    assert metrics["run_id"] == run_id and metrics["eval/val_samples"] == 4
+    assert 1.0 <= metrics["eval/simulated_acc_len"] <= 1 + params.train.ttt_steps
+    assert metrics["eval/measured_acc_len"] >= 1.0
