@@ -32,6 +32,9 @@ TargetOpt = Annotated[Path, typer.Option("--target", help="The target stage's fo
 DataOpt = Annotated[Path, typer.Option("--data", help="Prepared dataset folder.")]
 StoreOpt = Annotated[Path, typer.Option("--store", help="Hidden-state store folder.")]
 TrainDirOpt = Annotated[Path, typer.Option("--train", help="The train stage's run folder.")]
+SourceOpt = Annotated[str | None, typer.Option(
+    "--source", help="train.source for this command (store | vllm): where hidden states come from; "
+    "online/dvc.yaml's stages give `vllm`.")]
 
 
 def command(*args, **kwargs):
@@ -70,10 +73,19 @@ def _say_spool(tracker, stage: str) -> None:
         console.print(f"[yellow]tracking[/]: {line}", soft_wrap=True)
 
 
-def _load(params_path: Path):
+def _load(params_path: Path, source: str | None = None):
     from draftlab.params import load_params
 
-    return load_params(params_path)
+    p = load_params(params_path)
+    if source is not None:  # where hidden states come from for this run, not what it trains
+        from draftlab.params import parse_params
+
+        raw = p.model_dump()
+        raw["train"]["source"] = source
+        if source != "vllm":
+            raw["train"]["vllm_url"] = None
+        p = parse_params(raw)
+    return p
 
 
 @command()
@@ -144,9 +156,10 @@ def train(
                                                   "the same params on every node, this flag on the others).")] = None,
     rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="train.rdzv_endpoint, host:port "
                                                       "on node 0 (multi-node).")] = None,
+    source: SourceOpt = None,
 ) -> None:
     """Train the draft with speculators' trainer under torchrun; accounting checked, MLflow-tracked."""
-    p = _load(params)
+    p = _load(params, source)
     if node_rank is not None or rdzv_endpoint is not None:  # where this host runs, not what it trains
         from draftlab.params import parse_params
 
@@ -170,9 +183,10 @@ def evaluate(
     store: StoreOpt = paths.STORE,
     train_dir: TrainDirOpt = paths.TRAIN,
     out: Annotated[Path, typer.Option(help="Reports folder (metrics.json, plots, figures).")] = paths.REPORTS,
+    source: SourceOpt = None,
 ) -> None:
     """Predicted (validation) and measured (speculative decoding) acceptance length."""
-    p = _load(params)
+    p = _load(params, source)
     from draftlab.stages import evaluate as stage
     from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
@@ -190,9 +204,10 @@ def export(
     out: Annotated[Path, typer.Option(help="Exported draft folder.")] = paths.DRAFT,
     reports: Annotated[Path, typer.Option(help="The evaluate stage's reports folder: its figures (acceptance) go "
                                           "on the registered version when they are this training's.")] = paths.REPORTS,
+    source: SourceOpt = None,
 ) -> None:
     """Write the trained draft as a folder vLLM serves (speculators format, bf16, 3 aux layers) and register it in MLflow."""
-    p = _load(params)
+    p = _load(params, source)
     from draftlab.stages import export as stage
     from draftlab.tracking import MlflowTracker, run_id_of, spool_beside
 
