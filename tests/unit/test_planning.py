@@ -191,3 +191,48 @@ def test_plan_table_renders(kimi_plan):
     console.print(pl.plan_table(kimi_plan[0]))
     text = console.export_text()
     assert "4.58 TiB" in text and "8.8 h" in text and "shm-too-small" in text
+
+
+REF_EXTRACTION_TOKENS_PER_S = 87_800_000 / (9.4 * 3600)  # the reference run: 87.8 M tokens extracted in 9.4 h
+
+
+def test_the_plan_prices_online_training_against_the_reference_store():
+    """The reference scenario (4.6 TiB, 9.4 h of extraction, 5 epochs at 13.2 k tokens/s on 4 GPUs):
+    offline costs the store and one extraction; online no disk, but the target's forward every
+    epoch: five extractions' worth, so offline is cheaper; at one epoch online is cheaper only when
+    loader workers hide the forward."""
+    from draftlab.plan import modes
+
+    ref = pl.reference_run_hours(train_samples=35_446, epochs=5, steps_per_s=REF_STEPS_PER_S, world_size=4,
+                                 tokens_per_rank_step=REF_TOKENS_PER_RANK_STEP)
+    plan = pl.make_plan(pl.Scenario(**KIMI), gpu_counts=(4,), stated=pl.Throughput(4, ref.tokens_per_s),
+                        extract_tokens_per_s=pl.Throughput(1, REF_EXTRACTION_TOKENS_PER_S, "stated"))
+    c = plan.modes
+    assert c.offline.disk_bytes == plan.store_bytes and c.offline.disk_bytes / 2**40 == pytest.approx(4.58, abs=0.01)
+    assert c.online.disk_bytes == 0
+    assert c.offline.forward_hours == pytest.approx(9.4, abs=0.01)
+    assert c.online.forward_hours == pytest.approx(5 * 9.4, abs=0.05)
+    train_h = plan.rows[0].wall_clock_s / 3600
+    assert c.offline.train_hours == c.online.train_hours == pytest.approx(train_h)
+    assert c.offline.total_hours == pytest.approx(9.4 + train_h, abs=0.01)
+    assert c.online.total_hours == pytest.approx(47 + train_h, abs=0.05)
+    assert c.online.overlapped_hours == pytest.approx(47, abs=0.05)
+    # a step's real tokens through the target: ~14.4 k tokens per 4-rank step at ~2.6 k tokens/s
+    per_step_tokens = plan.steps.trained_tokens_per_epoch / (plan.steps.central_total_steps / 5)
+    assert c.forward_s_per_step == pytest.approx(per_step_tokens / REF_EXTRACTION_TOKENS_PER_S, rel=0.01)
+    assert c.cheaper_wall_clock == "offline"
+    assert c.verdict.startswith("offline costs less wall-clock") and "4.58 TiB" in c.verdict
+    assert "offline" in str(modes.modes_table(c).title) and "online" in pl.plan_table(plan).renderables[-1]
+
+    one = pl.make_plan(pl.Scenario(**{**KIMI, "epochs": 1}), gpu_counts=(4,), stated=pl.Throughput(4, ref.tokens_per_s),
+                       extract_tokens_per_s=pl.Throughput(1, REF_EXTRACTION_TOKENS_PER_S, "stated"))
+    assert one.modes.cheaper_wall_clock == "online with workers"
+    assert one.modes.online.overlapped_hours == pytest.approx(9.4, abs=0.05)
+    assert one.modes.online.overlapped_hours < one.modes.offline.total_hours <= one.modes.online.total_hours
+
+
+def test_without_a_forward_throughput_the_plan_says_what_to_give():
+    plan = pl.make_plan(pl.Scenario(**KIMI), gpu_counts=(4,), stated=pl.Throughput(4, 13_200))
+    assert plan.modes.cheaper_wall_clock is None and plan.modes.online.disk_bytes == 0
+    assert "--extract-tokens-per-s" in plan.modes.verdict and "saves the 4.58 TiB store" in plan.modes.verdict
+    assert plan.to_json()["modes"]["online"]["disk_bytes"] == 0

@@ -16,11 +16,11 @@ Nothing here imports torch at module level; `plan_table` needs rich (imported in
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from draftlab.plan import costmodel
+from draftlab.plan import costmodel, modes
 from draftlab.plan.steps import CENTRAL_SIGMA, LENGTH_SIGMAS, StepEstimate, plan_from_counts, plan_from_lengths
 from draftlab.store import layout as store
 from draftlab.store.hidden_states import read_dtype
@@ -162,6 +162,7 @@ class Plan:
     shm_free_bytes: int | None
     disk_free_bytes: int | None
     warnings: list[PlanWarning]
+    modes: modes.ModeComparison | None = None  # offline (store) vs online (train.source: vllm)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -226,6 +227,13 @@ def make_plan(scenario: Scenario, *, lengths: Sequence[int] | None = None,
     plan = Plan(s, n_bytes, basis, extraction_h,
                 extract_tokens_per_s.source if extract_tokens_per_s else "no extraction throughput given",
                 main, rows, inflight, shm_bytes, disk_free, [])
+    at_world = next((r for r in rows if r.gpus == s.world_size), None)
+    plan = replace(plan, modes=modes.compare(
+        store_bytes=n_bytes, num_tokens=s.num_tokens, epochs=s.epochs,
+        train_tokens_per_epoch=main.trained_tokens_per_epoch,
+        steps_per_epoch=max(main.central_total_steps // max(s.epochs, 1), 1),
+        train_s=at_world.wall_clock_s if at_world is not None else None,
+        forward_tokens_per_s=extract_tokens_per_s.tokens_per_s if extract_tokens_per_s else None))
     plan.warnings.extend(check_plan(plan, sharded=sharded, observed_steps_per_epoch=observed_steps_per_epoch))
     return plan
 
@@ -357,4 +365,6 @@ def plan_table(plan: Plan):
                      "—" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", model, _hours(r.wall_clock_s),
                      "—" if r.gpu_hours is None else f"{r.gpu_hours:,.1f}", r.throughput_source)
     parts = [facts, rows] + [f"[yellow]warning[/] {w.code}: {w.message}" for w in plan.warnings]
+    if plan.modes is not None:
+        parts += [modes.modes_table(plan.modes), f"[bold]mode[/]: {plan.modes.verdict}"]
     return Group(*parts)
