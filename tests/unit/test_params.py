@@ -175,3 +175,30 @@ def test_online_training_params_are_checked_with_one_line_naming_the_key():
         assert says in str(err.value) and "\n" not in str(err.value).strip()
     with pytest.raises(ParamsError, match="--vllm-endpoint"):
         parse_params(raw(extra_args=["--vllm-endpoint", "http://h:1/v1"]))
+
+
+def test_the_online_pipeline_needs_no_store_and_reads_only_keys_params_yaml_has():
+    """online/dvc.yaml (`dvc repro online/dvc.yaml`): its stages never depend on the store or the
+    extract stage, each names its source, and every params key it lists is in params.yaml (DVC
+    refuses a stage whose key is missing there)."""
+    stages = yaml.safe_load((REPO / "online" / "dvc.yaml").read_text())["stages"]
+    assert set(stages) == {"train", "evaluate", "export"}, "one name per stage, as offline"
+    defaults = yaml.safe_load((REPO / "params.yaml").read_text())
+
+    def in_params_yaml(key: str) -> bool:
+        node = defaults
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+    for name, stage in stages.items():
+        deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
+        assert not any("hidden_states" in d or "store-check" in d for d in deps), f"{name}: {deps}"
+        assert "--source vllm" in stage["cmd"] and "--store" not in stage["cmd"]
+        for key in stage["params"]:
+            assert in_params_yaml(key), f"online/dvc.yaml {name}: {key} is not in params.yaml"
+    root_outs = {next(iter(o)) if isinstance(o, dict) else o
+                 for s in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].values() for o in s.get("outs", [])}
+    online_outs = {next(iter(o)) if isinstance(o, dict) else o for s in stages.values() for o in s.get("outs", [])}
+    assert not root_outs & online_outs, "DVC refuses two stages with one output"

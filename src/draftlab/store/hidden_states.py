@@ -261,7 +261,7 @@ def _own_server(source: VllmSource, console):
     cmd = vllm_extract.server_command(p, python=python, model=source.model, num_layers=source.num_layers,
                                       hidden_states_path=shared, cuda=bool(gpus))
     where = f"GPU(s) {','.join(gpus)}" if gpus else "the CPU (draftlab's synchronous connector)"
-    console.print(f"[bold]train[/]: online hidden states: starting vLLM on {where}: " + " ".join(cmd), soft_wrap=True)
+    console.print(f"[bold]hidden states[/]: online, starting vLLM on {where}: " + " ".join(cmd), soft_wrap=True)
     try:
         with serving.running(vllm_extract.guard_command(cmd), port=p.extract.vllm_port,
                              log_path=shared.parent / f"{shared.name.removeprefix('.vllm-')}-vllm.log",
