@@ -2,7 +2,8 @@
 
     layout         `hs_<i>.safetensors` in speculators' layout, the journal, the manifest, verify
     hidden_states  where a training or an evaluation reads hidden states from (`HiddenStateSource`):
-                   the store's files checked against the manifest, decoded, fp8 dequantized
+                   the store's files checked against the manifest, decoded, fp8 dequantized;
+                   or, online (`train.source: vllm`), a live vLLM server asked per sample
     capture        the extraction loop (a layer capture on the target, atomic file writes)
     extract_ranks  `python -m draftlab.store.extract_ranks`: one extraction process per GPU
     vllm_extract   extraction through a vLLM server (started here or the user's own)
