@@ -106,3 +106,27 @@ def test_online_training_on_two_ranks_resumes_after_kill_9_and_its_draft_evaluat
     assert metrics["run_id"] == run_id and metrics["eval/val_samples"] == 4
     assert 1.0 <= metrics["eval/simulated_acc_len"] <= 1 + params.train.ttt_steps
     assert metrics["eval/measured_acc_len"] >= 1.0
+
+
+def test_dvc_repro_of_the_online_pipeline_trains_without_a_store(tmp_path):
+    """`dvc repro online/dvc.yaml` in a user's checkout: the root pipeline's target and prepare, then
+    train, evaluate and export online; no extract, no store; a second repro has nothing to do."""
+    from tests.checkout import checkout_copy, sh
+
+    root, env = checkout_copy(tmp_path / "repo", params={
+        "target": {"tiny": {"pretrain_steps": 40}},
+        "prepare": {"num_samples": 39, "max_seq_len": 96, "max_new_tokens": 24},
+        "train": {"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64},
+        "evaluate": {"num_prompts": 2, "max_new_tokens": 8}})
+    env = dict(env, DRAFTLAB_TEST_MARK=str(tmp_path))
+    done = sh(["dvc", "repro", "online/dvc.yaml"], root, env)
+    ran = [line for line in done.stdout.splitlines() if line.startswith("Running stage")]
+    assert ran == ["Running stage 'target':", "Running stage 'prepare':", "Running stage 'online/dvc.yaml:train':",
+                   "Running stage 'online/dvc.yaml:evaluate':", "Running stage 'online/dvc.yaml:export':"]
+    assert sorted(p.name for p in (root / "data").iterdir()) == ["prepared"], "no store, no store check"
+    metrics = json.loads((root / "reports" / "online" / "metrics.json").read_text())
+    assert metrics["run_id"] == RunDir(root / "runs" / "train-online").train.read().run_id
+    assert (root / "models" / "draft-online" / "config.json").is_file()
+    assert not _ours(str(tmp_path)), "every server stopped"
+    again = sh(["dvc", "repro", "online/dvc.yaml"], root, env)
+    assert "Running stage" not in again.stdout and "Data and pipelines are up to date." in again.stdout
