@@ -91,3 +91,42 @@ def test_params_choose_the_source_and_an_online_one_needs_no_store(tmp_path):
     assert isinstance(source, VllmSource) and source.endpoint == "http://127.0.0.1:8000/v1"
     assert source.layer_ids == store.default_layer_ids(source.num_layers)
     assert source.exchange_dir == tmp_path / "runs" / ".vllm-train"
+
+
+def test_a_users_server_is_checked_before_any_rank_starts(tmp_path):
+    """train.vllm_url: a server that does not answer, or serves another model, is one line (exit 2)
+    before training; one serving the target passes. A real HTTP server on a free port."""
+    import http.server
+    import json
+    import socket
+    import threading
+
+    from draftlab.errors import HostError
+    from draftlab.params import ParamsError
+    from draftlab.store.hidden_states import check_server
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "/models/target"}]}).encode() if self.path == "/v1/models" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        check_server(url, "/models/target")
+        with pytest.raises(ParamsError, match=r"serves \['/models/target'\], not the target 'other'"):
+            check_server(url, "other")
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(HostError, match=rf"train.vllm_url: http://127.0.0.1:{closed}/v1/models does not answer"):
+        check_server(f"http://127.0.0.1:{closed}/v1", "/models/target", timeout_s=2)

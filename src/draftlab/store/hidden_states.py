@@ -82,6 +82,9 @@ class HiddenStateSource(ABC):
         """The source as an MLflow dataset input (name, sha, path, profile), or None."""
         return None
 
+    def check(self) -> None:
+        """What can be checked before anything is written or started (one line, exit 2, when wrong)."""
+
     @contextlib.contextmanager
     def opened(self, console) -> Iterator[HiddenStateSource]:
         """What must run while this source is read (a server), for the body of the `with`; yields
@@ -203,9 +206,14 @@ class VllmSource(HiddenStateSource):
                    "endpoint": self.endpoint or "draftlab's own vLLM server"}
         return {"name": "hidden-states.vllm", "sha": self.identity(), "path": self.exchange_dir, "profile": profile}
 
+    def check(self) -> None:
+        if self.endpoint is not None:  # a user's server: it answers and serves the target
+            check_server(self.endpoint, self.model)
+
     @contextlib.contextmanager
     def opened(self, console) -> Iterator[HiddenStateSource]:
         if self.endpoint is not None:
+            self.check()
             yield self
             return
         yield from _own_server(self, console)
@@ -234,6 +242,30 @@ class VllmSource(HiddenStateSource):
         return ArrowDataset(max_len=max_len, datapath=str(data_dir), transfer=FileTransfer(self.exchange_dir),
                             vllm_endpoint=self.endpoint, on_missing="generate", model=self.model,
                             train_ratio=train_ratio, split=split, hidden_states_dtype=getattr(torch, hidden_states_dtype))
+
+
+def check_server(endpoint: str, model: str, timeout_s: float = 10.0) -> None:
+    """A user's server (`train.vllm_url`) answers `/models` and serves the target under the name the
+    trainer asks for, or one line saying which, before any rank starts (speculators' loader would
+    retry, then fail in every rank with a traceback)."""
+    import json as json_
+    import urllib.error
+    import urllib.request
+
+    from draftlab.errors import HostError
+    from draftlab.params import ParamsError
+
+    url = endpoint.rstrip("/") + "/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            served = [m.get("id") for m in json_.loads(r.read()).get("data", [])]
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", None) or err
+        raise HostError(f"train.vllm_url: {url} does not answer ({reason}); start the vLLM server for hidden-state "
+                        "extraction there, fix the URL, or set it to null (draftlab starts its own)") from None
+    if model not in served:
+        raise ParamsError(f"train.vllm_url: the server at {endpoint} serves {served}, not the target {model!r}; "
+                          "start it with --model set to the target's path as this host names it")
 
 
 def _own_server(source: VllmSource, console):

@@ -282,6 +282,7 @@ def preflight(params: Params, data_dir: Path, store_dir: Path | None, console, *
               out_dir: Path) -> tuple[list[int], HiddenStateSource, str]:
     """Every check before anything is written or launched: (layer ids, hidden-state source, device)."""
     source = source_for(params, store_dir=store_dir, target_dir=target_dir, out_dir=out_dir)
+    source.check()
     if params.train.source == "store":
         manifest = store.read_manifest(store_dir)
         store_dtype = manifest.dtype
