@@ -100,3 +100,26 @@ def test_step_bounds_never_print_inverted(here):
     steps = json.loads(out.output)["steps"]
     lo, hi = steps["bounds_per_epoch"]
     assert lo <= steps["steps_per_epoch"][0] <= steps["steps_per_epoch"][1] <= hi
+
+
+def test_plan_tells_which_mode_costs_less_and_an_online_profile_is_never_short_of_disk(here):
+    """`draftlab plan` on the Kimi profile with the reference's extraction rate (87.8 M tokens in
+    9.4 h) prices offline against online; with train.source: vllm no store is checked against the
+    disk, where offline's 4.58 TiB is."""
+    raw = yaml.safe_load((REPO / "experiments" / "kimi-k2.5-4gpu.yaml").read_text())
+    (here / "params.yaml").write_text(yaml.safe_dump(raw))
+    ref = ["--hidden-size", "7168", "--tokens-per-s", "13200", "--at-gpus", "4", "--gpus", "4",
+           "--extract-tokens-per-s", str(87_800_000 / (9.4 * 3600))]
+    out = plan(*KIMI_COUNTS, *ref, "--json")
+    assert out.exit_code == 0, out.output
+    modes = json.loads(out.output)["modes"]
+    assert modes["cheaper_wall_clock"] == "offline"
+    assert modes["offline"]["forward_hours"] == pytest.approx(9.4, abs=0.01) and modes["online"]["disk_bytes"] == 0
+    text = plan(*KIMI_COUNTS, *ref).output
+    assert "offline (store) vs online" in text and "offline costs less wall-clock" in " ".join(text.split())
+
+    raw["train"]["source"] = "vllm"
+    (here / "params.yaml").write_text(yaml.safe_dump(raw))
+    online = json.loads(plan(*KIMI_COUNTS, *ref, "--json").output)
+    assert online["disk_free_bytes"] is None
+    assert "disk-too-small" not in {w["code"] for w in online["warnings"]}

@@ -292,7 +292,9 @@ def plan_for(params, *, target_dir: Path, data_dir: Path, store_dir: Path, gpu_c
         scenario, lengths=lengths, gpu_counts=gpu_counts, points=points,
         stated=Throughput(at_gpus, tokens_per_s) if tokens_per_s else None,
         extract_tokens_per_s=Throughput(1, extract_tokens_per_s, "stated") if extract_tokens_per_s else None,
-        disk_free=disk_free_bytes(store_dir if store_dir.exists() else Path(".")) + existing,
+        # online (train.source: vllm) writes no store: no disk to check it against
+        disk_free=None if params.train.source == "vllm" else
+        disk_free_bytes(store_dir if store_dir.exists() else Path(".")) + existing,
         shm_bytes=shm_bytes if shm_bytes is not None else shm_free_bytes(),
     )
     return plan, note
