@@ -20,7 +20,8 @@
 
 A new source is a new `HiddenStateSource` here and a branch of `source_for`: train, the ranks,
 evaluate and the planner call only these methods. Nothing here imports torch, speculators or
-hs_connectors at import time.
+hs_connectors at import time. (Over 400 lines on purpose: every source, and the store's verified
+reader below, in the one module where hidden states are read.)
 
 The reading itself: :class:`VerifiedTransfer` wraps the one place speculators reads a stored
 sample (``train.data.ArrowDataset.transfer.get_cached``): each ``hs_<i>.safetensors`` is checked
