@@ -27,7 +27,7 @@ from draftlab.rundir import Command, RunDir
 from draftlab.store import layout as store
 from draftlab.registry import lineage
 from draftlab.training import checkpoint as checkpoint_files
-from draftlab.training import launch, record
+from draftlab.training import launch, record, startup
 from draftlab.training.job import TrainResult, accounting_table, plan, preflight, rank_command, run_key, vocab_mappings
 
 
@@ -47,6 +47,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
     `started_at`: when this training's process started (time.time()); default: now. Everything
     from then to the end counts as the cost model's start-up."""
     started_at = time.time() if started_at is None else started_at
+    clock = startup.Clock(started_at)  # the time to the first step, by phase (train.json `startup`)
     if params.train.node_rank > 0:
         from draftlab.training.nodes import join
 
@@ -57,9 +58,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
 
     # preflight and plan: every check, then the exact accounting, before anything is written
     layer_ids, source, device = preflight(params, data_dir, store_dir, console)
+    clock.mark("preflight")
     manifest_sha = store.manifest_hash(store_dir)
     key = run_key(params, manifest_sha, data_dir)
     a, step_tokens = plan(params, data_dir)
+    clock.mark("plan")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     rd = RunDir(out_dir)
@@ -75,6 +78,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         out_dir.mkdir(exist_ok=True)
         checkpoint_files.set_aside_torn(rd.checkpoints, console)  # speculators resumes the newest complete one
         console.print(accounting_table(a, params))
+        clock.mark("folder")
         # open (or resume) the MLflow run
         run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
@@ -86,15 +90,18 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
                                                               train_ratio=params.data.train_ratio),
                                      lineage.store_dataset(store_dir, context="training")])
+        clock.mark("mlflow_run")
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
-                                               manifest_sha=manifest_sha, device=device))
+                                               manifest_sha=manifest_sha, device=device, resumed=resumed))
+        clock.mark("rank_plan")
         vocab_mappings(params, target_dir, data_dir, out_dir)
         cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=source, out_dir=out_dir,
                                 layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
         rd.command.write(Command(cmd=cmd))
+        clock.mark("vocab")
         ranks = launch.run_ranks(cmd, env, rd, store_dir=store_dir, tracker=tracker, run_id=run_id, console=console,
-                                 device=device)
+                                 device=device, clock=clock)
         # check what the ranks did, then record it
         if ranks.rc != 0:
             raise record.failed(rd, ranks.rc, tracker, run_id, console)
@@ -104,4 +111,4 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
         record.check_accounting(rd, a, tracker, console)
         return record.finished(rd, params, a, step_tokens, ranks, tracker, run_id=run_id, device=device,
-                               resumed=resumed, started_at=started_at, console=console)
+                               resumed=resumed, started_at=started_at, console=console, clock=clock)
