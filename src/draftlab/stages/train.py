@@ -82,6 +82,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         # open (or resume) the MLflow run
         run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
+        clock.mark("mlflow_run")
         if resumed:
             record.resumed(tracker, rd, run_id, console)
         else:
@@ -90,7 +91,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path, ou
         lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
                                                               train_ratio=params.data.train_ratio),
                                      lineage.store_dataset(store_dir, context="training")])
-        clock.mark("mlflow_run")
+        clock.mark("run_params")
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
                                                manifest_sha=manifest_sha, device=device, resumed=resumed))

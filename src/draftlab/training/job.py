@@ -57,8 +57,8 @@ def resolve_device(params: Params) -> str:
         return params.train.device
     import importlib.metadata as md
 
-    if md.version("torch").endswith("+cpu") or not Path("/dev/nvidiactl").exists():
-        return "cpu"  # a CPU build of torch, or no NVIDIA driver: no need to import torch to know
+    if md.version("torch").endswith("+cpu"):
+        return "cpu"  # a CPU build of torch: no need to import it (about a second) to know
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,8 @@ the time from the launcher's process start to the end of step 0 (train.json `sta
 `startup/*`):
 
     launcher_process   the interpreter, the CLI's imports, params (process start to the stage's call)
-    <launcher phases>  preflight, plan, folder, mlflow_run, rank_plan, vocab, observers (stages/train.py)
+    <launcher phases>  preflight, plan, folder, mlflow_run (MLflow's import, its store, the run),
+                       run_params (params, tags, datasets), rank_plan, vocab, observers (stages/train.py)
     torchrun           torchrun's start to rank 0's process start (its imports, the rendezvous)
     rank_imports       rank 0's interpreter and the modules it imports before main()
     rank_speculators   `import speculators` (its models, transformers): the bare trainer pays it too
