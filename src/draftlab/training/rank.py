@@ -63,6 +63,7 @@ class _Background:
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue()
         self.cpu_s = 0.0
+        self.setup_cpu_s = 0.0  # making the tracker (MLflow's import, its store): once, not per write
         self.drain_s: list[float] = []  # how long each drain() held the trainer (checkpoints)
         self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
         self.thread.start()
@@ -88,6 +89,7 @@ class _Background:
             self.tracker = self.make_tracker()
         except Exception as err:  # noqa: BLE001 — said by the trainer's thread (drain, close)
             self.error = err
+        self.setup_cpu_s = time.thread_time()
         pending, last, done = [], time.monotonic(), False
         while not done:
             wait = max(self.FLUSH_S - (time.monotonic() - last), 0.0) if pending else None
@@ -112,7 +114,7 @@ class _Background:
             if pending and (done or time.monotonic() - last >= self.FLUSH_S):
                 self._send(pending)
                 pending, last = [], time.monotonic()
-        self.cpu_s = time.thread_time()  # this thread's whole CPU time: the harness's tracking cost
+        self.cpu_s = time.thread_time() - self.setup_cpu_s  # the writes: the harness's per-step tracking cost
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
@@ -421,6 +423,8 @@ def main(argv: list[str]) -> None:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
+        cpu.update({"tracking_setup": h.inner.tracker.setup_cpu_s for h in handlers
+                    if isinstance(h.inner, MetricsToTracker)})
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
