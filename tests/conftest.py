@@ -258,6 +258,19 @@ def vllm_server_records_in_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def plan_cache_in_tmp(tmp_path_factory):
+    """The launcher's plan cache (draftlab.plan.cache) is the session's, shared by its trainings as
+    a user's are, and not the user's own ~/.cache/draftlab."""
+    theirs = os.environ.get("DRAFTLAB_CACHE_DIR")
+    os.environ["DRAFTLAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("draftlab-cache"))
+    yield
+    if theirs is None:
+        os.environ.pop("DRAFTLAB_CACHE_DIR", None)
+    else:
+        os.environ["DRAFTLAB_CACHE_DIR"] = theirs
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_leftover_processes():
     """At the end of the run: wait up to 10 s for descendants to exit, kill the rest, and fail
     naming them."""

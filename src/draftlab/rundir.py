@@ -320,6 +320,8 @@ class RankDone(Record):
                                   "rank 0 may be on any node")
     tracking: dict[str, float] | None = Field(None, description="what tracking held the trainer's thread: "
                                               "drains (count, max and total s), outages, the longest failed call")
+    startup: dict[str, float] | None = Field(None, description="when rank 0's process started, entered main(), "
+                                             "had speculators loaded and called the trainer (training.startup)")
 
 
 class TrainRecord(Record):
@@ -341,6 +343,8 @@ class TrainRecord(Record):
                                               "(RankDone.tracking) and the launcher's outages")
     torchrun_wall_s: float | None = Field(None, description="torchrun's span alone (the ranks: from their "
                                           "launch to their exit), shorter than wall_clock_s")
+    startup: dict[str, float] | None = Field(None, description="the time to the first step by phase, in seconds, "
+                                             "and its total_s (training.startup)")
 
 
 TRAIN = "run `draftlab train` (or `dvc repro train`)"

@@ -63,7 +63,14 @@ def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tm
     for epoch in range(2):
         r0, r1 = ([set(r["ids"]) for r in recs if r["epoch"] == epoch and r["rank"] == k] for k in (0, 1))
         assert r0 and r1 and not (r0[-1] & r1[-1])
-    assert RunDir(tmp_path / "run").train.read().run_id == result.run_id
+    record = RunDir(tmp_path / "run").train.read()
+    assert record.run_id == result.run_id
+    # the time to the first step, by phase: consecutive spans that add up to it, within the run's wall-clock
+    phases = record.startup
+    assert phases and {"mlflow_run", "torchrun", "rank_speculators", "first_step"} <= phases.keys()
+    assert abs(sum(v for k, v in phases.items() if k != "total_s") - phases["total_s"]) < 0.05
+    assert 0 < phases["total_s"] < record.wall_clock_s
+    assert run.data.metrics["startup/total_s"] == phases["total_s"]
 
 
 def test_accounting_mismatch_is_reported():

@@ -9,7 +9,8 @@ model, `draftlab plan` and the run's ETA.
     planning    `draftlab plan`: bytes, steps, wall-clock and GPU-hours per GPU count
     run_timing  the live ETA of a running training, its 10–90 % range, the harness's CPU
     sampler     speculators' packing sampler (loaded without the package) and its --max-steps rule
+    cache       the launcher's split, accounting and validation steps, kept by the hash of their inputs
 
 May import: the shared core, `store.layout`, `store.hidden_states` (the dtype a trainer reads),
-`observe.telemetry`. Never `training` (which imports the plan), never a stage.
+`store.capture` (the dataset's fingerprint, the cache's key), `observe.telemetry`. Never `training` (which imports the plan), never a stage.
 """

@@ -14,15 +14,20 @@ from draftlab.rundir import RankPlan, RunDir, Timing
 
 def val_steps(params: Params, data_dir: Path) -> int:
     """Batches of one validation pass on rank 0 (the val loader packs with the same sampler)."""
-    from datasets import load_from_disk
+    from draftlab.plan import cache
 
-    lengths = list(load_from_disk(str(data_dir)).with_format(None)["seq_len"])
-    val = lengths[int(len(lengths) * params.data.train_ratio):]
     t = params.train
+    key = cache.plan_key(data_dir, params.data.train_ratio, {
+        "val_steps": True, "total_seq_len": t.total_seq_len, "world_size": t.world_size(), "seed": t.seed})
+    if (hit := cache.read("plan", key)) is not None:
+        return hit["val_steps"]
+    val = cache.split(data_dir, params.data.train_ratio)["val_lengths"]
     from draftlab.plan import accounting as acc
 
-    return len(acc.rank_batches(val, total_seq_len=t.total_seq_len, world_size=t.world_size(), rank=0,
-                                seed=t.seed, epoch=0)) if val else 0
+    n = len(acc.rank_batches(val, total_seq_len=t.total_seq_len, world_size=t.world_size(), rank=0,
+                             seed=t.seed, epoch=0)) if val else 0
+    cache.write("plan", key, {"val_steps": n})
+    return n
 
 
 TAIL_RUNS = 5  # matching runs whose tails give the ETA's tail and its range

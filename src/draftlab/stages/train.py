@@ -26,7 +26,7 @@ from draftlab.params import Params
 from draftlab.rundir import Command, RunDir
 from draftlab.registry import lineage
 from draftlab.training import checkpoint as checkpoint_files
-from draftlab.training import launch, record
+from draftlab.training import launch, record, startup
 from draftlab.training.job import TrainResult, accounting_table, plan, preflight, rank_command, run_key, vocab_mappings
 
 
@@ -46,6 +46,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
     `started_at`: when this training's process started (time.time()); default: now. Everything
     from then to the end counts as the cost model's start-up."""
     started_at = time.time() if started_at is None else started_at
+    clock = startup.Clock(started_at)  # the time to the first step, by phase (train.json `startup`)
     if params.train.node_rank > 0:
         from draftlab.training.nodes import join
 
@@ -56,9 +57,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
 
     # preflight and plan: every check, then the exact accounting, before anything is written
     layer_ids, source, device = preflight(params, data_dir, store_dir, console, target_dir=target_dir, out_dir=out_dir)
+    clock.mark("preflight")
     manifest_sha = source.identity()  # what the hidden states are (a store's manifest, or the online server's)
     key = run_key(params, manifest_sha, data_dir)
     a, step_tokens = plan(params, data_dir)
+    clock.mark("plan")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     rd = RunDir(out_dir)
@@ -74,9 +77,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         out_dir.mkdir(exist_ok=True)
         checkpoint_files.set_aside_torn(rd.checkpoints, console)  # speculators resumes the newest complete one
         console.print(accounting_table(a, params))
+        clock.mark("folder")
         # open (or resume) the MLflow run
         run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
+        clock.mark("mlflow_run")
         if resumed:
             record.resumed(tracker, rd, run_id, console)
         else:
@@ -85,16 +90,20 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
                                                               train_ratio=params.data.train_ratio),
                                      *lineage.source_datasets(source, context="training")])
+        clock.mark("run_params")
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
-                                               manifest_sha=manifest_sha, device=device))
+                                               manifest_sha=manifest_sha, device=device, resumed=resumed))
+        clock.mark("rank_plan")
         vocab_mappings(params, target_dir, data_dir, out_dir)
+        clock.mark("vocab")
         with source.opened(console) as live:  # online: the vLLM server the ranks ask, stopped on every exit
+            clock.mark("source")
             cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
                                     layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
             rd.command.write(Command(cmd=cmd))
             ranks = launch.run_ranks(cmd, env, rd, store_dir=live.reads_from, tracker=tracker, run_id=run_id,
-                                     console=console, device=device)
+                                     console=console, device=device, clock=clock)
         # check what the ranks did, then record it
         if ranks.rc != 0:
             raise record.failed(rd, ranks.rc, tracker, run_id, console)
@@ -104,4 +113,4 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
         record.check_accounting(rd, a, tracker, console)
         return record.finished(rd, params, a, step_tokens, ranks, tracker, run_id=run_id, device=device,
-                               resumed=resumed, started_at=started_at, console=console)
+                               resumed=resumed, started_at=started_at, console=console, clock=clock)

@@ -14,6 +14,7 @@
     checkpoint checkpoints visible only complete (written aside, synced, renamed), a free-space
                check before each save, the newest complete one for resume and export
     nodes      a node other than 0 joining node 0's run
+    startup    the time to the first step by phase (train.json `startup`)
 
 May import: the shared core, `plan`, `store.layout`, `store.capture` (fingerprints),
 `store.hidden_states` (what the ranks read), `observe` (telemetry, the live and final verdict).

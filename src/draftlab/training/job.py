@@ -55,6 +55,10 @@ class TrainResult:
 def resolve_device(params: Params) -> str:
     if params.train.device != "auto":
         return params.train.device
+    import importlib.metadata as md
+
+    if md.version("torch").endswith("+cpu"):
+        return "cpu"  # a CPU build of torch: no need to import it (about a second) to know
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,7 +66,7 @@ def resolve_device(params: Params) -> str:
 
 def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     """What a run folder's checkpoints depend on: resuming across a change would be wrong."""
-    from draftlab.store.capture import dataset_fingerprint
+    from draftlab.plan.cache import dataset_key
 
     # verify_reads and the watch change what is checked, not what is trained, and the rendezvous's address and
     # this node's rank where it runs: a run folder stays resumable across them
@@ -70,29 +74,41 @@ def run_key(params: Params, manifest_sha: str, data_dir: Path) -> str:
     fields = {"train": params.train.model_dump(exclude={"verify_reads", "node_rank", "rdzv_endpoint", "watch",
                                                         "vllm_url"}),
               "data": params.data.model_dump(),
-              "store": manifest_sha, "dataset": dataset_fingerprint(data_dir)}
+              "store": manifest_sha, "dataset": dataset_key(data_dir)}
     if params.target.revision:  # the verifier the trainer loads (only when pinned: other keys stay as they were)
         fields["target_revision"] = params.target.revision
     return store.store_key(fields)
 
 
 def train_split(data_dir: Path, train_ratio: float) -> tuple[list[int], int]:
-    """Lengths of the train split (speculators' row-order split) and its loss-masked tokens."""
-    from datasets import load_from_disk
+    """Lengths of the train split (speculators' row-order split) and its loss-masked tokens
+    (read once per dataset: draftlab.plan.cache)."""
+    from draftlab.plan import cache
 
-    import pyarrow.compute as pc
-
-    ds = load_from_disk(str(data_dir)).with_format(None)
-    n_train = int(len(ds) * train_ratio)
-    lengths = list(ds["seq_len"][:n_train])
-    # summed in Arrow: as Python lists, the reference's 87.8 M mask values cost about a minute
-    masks = ds.with_format("arrow")[:n_train]["loss_mask"]
-    loss_tokens = int(pc.sum(pc.list_flatten(masks)).as_py() or 0)
-    return lengths, loss_tokens
+    split = cache.split(data_dir, train_ratio)
+    return split["train_lengths"], split["loss_tokens"]
 
 
 def plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
-    """Exact accounting and the real tokens of every global step."""
+    """Exact accounting and the real tokens of every global step, computed once per dataset and
+    sampler settings (draftlab.plan.cache)."""
+    from dataclasses import asdict
+
+    from draftlab.plan import cache
+
+    t = params.train
+    key = cache.plan_key(data_dir, params.data.train_ratio, {
+        "total_seq_len": t.total_seq_len, "world_size": t.world_size(), "seed": t.seed, "epochs": t.epochs,
+        "max_steps": t.max_steps})
+    if (hit := cache.read("plan", key)) is not None:
+        epochs = [acc.EpochPlan(**e) for e in hit["accounting"].pop("epochs")]
+        return acc.Accounting(**hit["accounting"], epochs=epochs), hit["step_tokens"]
+    a, step_tokens = _plan(params, data_dir)
+    cache.write("plan", key, {"accounting": asdict(a), "step_tokens": step_tokens})
+    return a, step_tokens
+
+
+def _plan(params: Params, data_dir: Path) -> tuple[acc.Accounting, list[int]]:
     lengths, loss_tokens = train_split(data_dir, params.data.train_ratio)
     t = params.train
     # the sampler runs once per (epoch, rank): at 37 k samples each run takes about a second
@@ -142,37 +158,83 @@ def accounting_table(a: acc.Accounting, params: Params, eta_s: float | None = No
     return t
 
 
-def vocab_paths(params: Params, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
-    """Where vocab_mappings writes d2t/t2d (another node reads them from the shared folder)."""
+def _vocab_key(params: Params, target_dir: Path, data_dir: Path | None) -> str | None:
+    """The vocabulary maps' cache key (draftlab.plan.cache): the token counts, the target's
+    config.json and the draft's vocabulary size; None for a target that is not a local folder."""
+    from draftlab.models import resolve
+    from draftlab.plan import cache
+    from draftlab.util import sha256_file
+
+    config = Path(resolve(params, target_dir)) / "config.json"
+    if not config.is_file():
+        return None
+    fields = {"config": sha256_file(config), "draft_vocab_size": params.train.draft_vocab_size}
+    if data_dir is not None:
+        fields["token_freq"] = sha256_file(Path(data_dir) / "token_freq.pt")
+    return cache.key_of("vocab", fields)
+
+
+def _vocab_sizes(params: Params, target_dir: Path) -> tuple[int, int]:
+    """(min(train.draft_vocab_size, the target's vocabulary), the target's vocabulary), read once
+    per target config."""
+    from draftlab.plan import cache
+
+    key = _vocab_key(params, target_dir, None)
+    if key is not None and (hit := cache.read("vocab", key)) is not None:
+        return hit["size"], hit["vocab"]
     from transformers import AutoConfig
 
     from draftlab.models import resolve, revision_kwargs
 
-    size = min(params.train.draft_vocab_size, AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params)).vocab_size)
+    vocab = AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params)).vocab_size
+    size = min(params.train.draft_vocab_size, vocab)
+    if key is not None:
+        cache.write("vocab", key, {"size": size, "vocab": vocab})
+    return size, vocab
+
+
+def vocab_paths(params: Params, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """Where vocab_mappings writes d2t/t2d (another node reads them from the shared folder)."""
+    size, _ = _vocab_sizes(params, target_dir)
     return out_dir / f"d2t-{size}.npy", out_dir / f"t2d-{size}.npy"
 
 
 def vocab_mappings(params: Params, target_dir: Path, data_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     """d2t/t2d written into the run folder (speculators would cache them in the dataset folder,
-    which is another stage's output)."""
+    which is another stage's output); built once per token counts and target (draftlab.plan.cache)."""
+    import shutil
+
+    from draftlab.plan import cache
+    from draftlab.util import write_bytes_atomic
+
+    d2t_path, t2d_path = vocab_paths(params, target_dir, out_dir)
+    key = _vocab_key(params, target_dir, data_dir)
+    cached = [cache.cache_dir() / "vocab" / f"{key}-{p.name}" for p in (d2t_path, t2d_path)] if key else []
+    if cached and all(c.is_file() for c in cached):
+        for c, p in zip(cached, (d2t_path, t2d_path)):
+            shutil.copyfile(c, p)
+        return d2t_path, t2d_path
     import numpy as np
     import torch
-    from transformers import AutoConfig
 
-    from draftlab.models import resolve, revision_kwargs
     from draftlab.pinned import speculators_module
 
     build_vocab_mappings_from_distribution = speculators_module(
         "train.vocab_mapping").build_vocab_mappings_from_distribution
 
-    vocab = AutoConfig.from_pretrained(resolve(params, target_dir), **revision_kwargs(params)).vocab_size
+    size, vocab = _vocab_sizes(params, target_dir)
     freq = torch.load(data_dir / "token_freq.pt", weights_only=True)
-    size = min(params.train.draft_vocab_size, vocab)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, size, vocab)
-    d2t_path, t2d_path = vocab_paths(params, target_dir, out_dir)
     np.save(d2t_path, d2t.cpu().numpy())
     np.save(t2d_path, t2d.cpu().numpy())
+    for c, p in zip(cached, (d2t_path, t2d_path)):
+        try:
+            c.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(c, p.read_bytes())
+        except OSError:  # a cache that cannot be written: the next run builds them again
+            pass
     return d2t_path, t2d_path
+
 
 
 def speculators_argv(params: Params, *, verifier: str, data_dir: Path, source: HiddenStateSource, out_dir: Path,

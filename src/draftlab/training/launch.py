@@ -49,10 +49,10 @@ class Ranks:
 
 
 def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Path, tracker, run_id: str,
-              console, device: str) -> Ranks:
+              console, device: str, clock=None) -> Ranks:
     """Node 0's torchrun under its observers (MLflow's system metrics, draftlab's telemetry and
     live verdict), recorded in the run folder (launch.json) while it runs; a rank that outlived
-    it (it should not) is stopped after."""
+    it (it should not) is stopped after. `clock` (training.startup.Clock) notes torchrun's start."""
     from draftlab import threads, tracking
     from draftlab.observe import telemetry
     from draftlab.observe.live import LiveVerdict
@@ -66,6 +66,8 @@ def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Pat
         try:
             procs.clear_recorded(rd.path)
             rd.rank_done.unlink()
+            if clock is not None:
+                clock.spawned()
             rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file().write(Launch(pgid=p.pid)))
         finally:
             live_verdict.stop()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from draftlab.plan.run_timing import Eta
 from draftlab.rundir import Failure, Progress, RankDone, RankPlan, RunDir
-from draftlab.training import compat
+from draftlab.training import compat, startup
 from draftlab.training import metrics as train_metrics
 from draftlab.training import watch as conv
 from draftlab.store.hidden_states import HiddenStateFileError, clean_message, source_from_trainer_args
@@ -46,7 +46,11 @@ class _Background:
     cost ~20 ms of the step (in speculators' fetch time); one background write per step still
     cost 8–9 ms of CPU per step (run_timing.harness_cpu's tracking_thread), taken from the
     trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu): where
-    the trainer keeps every CPU busy its records wait for the next checkpoint's drain or the end."""
+    the trainer keeps every CPU busy its records wait for the next checkpoint's drain or the end.
+
+    `tracker` may be a function that makes the tracker: the thread calls it first, so that
+    importing MLflow and opening its store overlap the trainer's own start instead of delaying
+    it (training.startup's rank_observers); an error there is raised by drain() and close()."""
 
     FLUSH_S = 1.0
 
@@ -54,14 +58,19 @@ class _Background:
         import queue
         import threading
 
-        self.tracker = tracker
+        self.make_tracker = tracker if not hasattr(tracker, "log_metrics") else (lambda: tracker)
+        self.tracker = None
+        self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue()
         self.cpu_s = 0.0
+        self.setup_cpu_s = 0.0  # making the tracker (MLflow's import, its store): once, not per write
         self.drain_s: list[float] = []  # how long each drain() held the trainer (checkpoints)
         self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
         self.thread.start()
 
     def _send(self, records: list) -> None:
+        if self.tracker is None:
+            return
         many = getattr(self.tracker, "log_metrics_many", None)
         if many is not None:
             many(records)
@@ -76,6 +85,11 @@ class _Background:
         from draftlab.threads import yield_cpu
 
         yield_cpu()  # the writes wait for a CPU the trainer leaves (README, "Measuring a 3 % cost")
+        try:
+            self.tracker = self.make_tracker()
+        except Exception as err:  # noqa: BLE001 — said by the trainer's thread (drain, close)
+            self.error = err
+        self.setup_cpu_s = time.thread_time()
         pending, last, done = [], time.monotonic(), False
         while not done:
             wait = max(self.FLUSH_S - (time.monotonic() - last), 0.0) if pending else None
@@ -84,7 +98,8 @@ class _Background:
                 if item is None:
                     done = True
                 elif isinstance(item, _Tags):
-                    self.tracker.set_tags(item.tags)
+                    if self.tracker is not None:
+                        self.tracker.set_tags(item.tags)
                     continue
                 elif isinstance(item, threading.Event):  # drain(): send what is queued now
                     if pending:
@@ -99,7 +114,7 @@ class _Background:
             if pending and (done or time.monotonic() - last >= self.FLUSH_S):
                 self._send(pending)
                 pending, last = [], time.monotonic()
-        self.cpu_s = time.thread_time()  # this thread's whole CPU time: the harness's tracking cost
+        self.cpu_s = time.thread_time() - self.setup_cpu_s  # the writes: the harness's per-step tracking cost
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
@@ -116,6 +131,8 @@ class _Background:
         self.queue.put(sent)
         sent.wait()
         self.drain_s.append(time.monotonic() - started)
+        if self.error is not None:
+            raise self.error
 
     def stall_report(self) -> dict:
         """What tracking cost the trainer's thread in waits, and the outages behind them."""
@@ -126,6 +143,8 @@ class _Background:
     def close(self):
         self.queue.put(None)
         self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class CpuTimed(logging.Handler):
@@ -329,7 +348,11 @@ class ConvergenceGuard(logging.Handler):
 def main(argv: list[str]) -> None:
     from draftlab import procs
 
+    main_at = time.time()
     procs.die_with_parent()  # torchrun starts ranks in their own session: only this reaches them
+    import speculators  # noqa: F401 — loaded here by name, so that start-up shows its cost apart
+
+    speculators_at = time.time()
     run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
     rank = int(os.environ.get("RANK", "0"))
     node = int(os.environ.get("DRAFTLAB_NODE_RANK", "0"))  # train.node_rank: c10d's RANK order ignores it
@@ -351,12 +374,15 @@ def main(argv: list[str]) -> None:
         state = RunDir(run_dir).run.read_or_none() if rank == 0 else None
         run_id = state.run_id if state is not None else os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
-            from draftlab.tracking import MlflowTracker
+            def make_tracker():  # in the tracking thread: MLflow's import overlaps the trainer's start
+                from draftlab.tracking import MlflowTracker
 
-            tracker = MlflowTracker(run_id, spool=RunDir(run_dir).spool_path)
-            metrics = MetricsToTracker(tracker, plan, run_dir)
+                tracker = MlflowTracker(run_id, spool=RunDir(run_dir).spool_path)
+                metrics.experiment_id = _experiment_id(tracker, run_id)
+                return tracker
+
+            metrics = MetricsToTracker(make_tracker, plan, run_dir)
             metrics.guard = guard
-            metrics.experiment_id = _experiment_id(tracker, run_id)
             if guard is not None:
                 guard.tags = metrics.tracker.set_tags
             handlers.append(CpuTimed(metrics))
@@ -366,6 +392,7 @@ def main(argv: list[str]) -> None:
     source = source_from_trainer_args(argv) if plan is not None else None
     if source is not None:
         source.install_in_rank(plan.verify_reads)  # the store: every file read is checked first
+    marks = startup.rank_marks(main_at, speculators_at, time.time())
     try:
         run_trainer(argv, metric_handlers=handlers)
     except FloatingPointError as err:  # the launcher reads failure.json and says it once
@@ -396,9 +423,12 @@ def main(argv: list[str]) -> None:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
+        cpu.update({"tracking_setup": h.inner.tracker.setup_cpu_s for h in handlers
+                    if isinstance(h.inner, MetricsToTracker)})
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
-        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node))
+        RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
+                                                 startup=marks))
 
 
 def _experiment_id(tracker, run_id: str) -> str | None:

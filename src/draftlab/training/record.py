@@ -65,13 +65,15 @@ def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
 
 
 def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data_dir: Path, run_id: str,
-              manifest_sha: str, device: str) -> RankPlan:
-    """What the ranks read of the launcher (plan.json): the steps and tokens, the ETA's priors, settings."""
+              manifest_sha: str, device: str, resumed: bool = True) -> RankPlan:
+    """What the ranks read of the launcher (plan.json): the steps and tokens, the ETA's priors, settings.
+    `resumed`: False for a run just created, which has logged no step (its store is not asked)."""
     from draftlab import tracking
 
     t = params.train
     return RankPlan(
-        total_steps=a.total_steps, step_tokens=step_tokens, last_logged_step=tracking.last_step(run_id, "train/loss"),
+        total_steps=a.total_steps, step_tokens=step_tokens,
+        last_logged_step=tracking.last_step(run_id, "train/loss") if resumed else -1,
         # for the ETA: where epochs end (validation + checkpoint follow), and their cost
         epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
         val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
@@ -134,8 +136,23 @@ def _tracking_stall(rd: RunDir, tracker) -> dict | None:
     return {**done.tracking, "launcher_outages": tracker.outages}
 
 
+def _startup(rd: RunDir, clock, tracker, console) -> dict | None:
+    """The time to the first step by phase (training.startup), printed and logged as startup/*."""
+    from draftlab.observe import telemetry
+    from draftlab.training import startup
+
+    done = rd.rank_done.peek()
+    phases = None if clock is None else startup.breakdown(
+        clock, done.startup if done is not None else None,
+        startup.first_step_record(telemetry.read_step_records(rd.path), after=clock.spawned_at))
+    if phases is not None:
+        tracker.log_metrics({f"startup/{k}": v for k, v in phases.items()})
+        console.print(f"[bold]train[/]: start-up {startup.line(phases)}", soft_wrap=True)
+    return phases
+
+
 def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[int], ranks, tracker, *,
-             run_id: str, device: str, resumed: bool, started_at: float, console) -> TrainResult:
+             run_id: str, device: str, resumed: bool, started_at: float, console, clock=None) -> TrainResult:
     """The checkpoint, the bottleneck verdict, the timing and train.json; the MLflow run FINISHED."""
     from draftlab.observe import bottleneck
 
@@ -153,6 +170,7 @@ def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[in
     tokens_per_s = sum(step_tokens) / ranks.wall_s
     harness = run_timing.harness_cpu(rd.path, ranks.launcher_cpu_s, a.total_steps)
     tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
+    phases = _startup(rd, clock, tracker, console)
     ended = time.time()
     timing = None if resumed else run_timing.log_timing(a, step_tokens, rd.path, started_at, ended, tracker)
     # wall_clock_s is one span wherever it is named (plan, train.json, MLflow, timing.wall_s):
@@ -165,7 +183,7 @@ def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[in
         wall_clock_s=round(span, 2), torchrun_wall_s=round(ranks.wall_s, 2), tokens_per_s=round(tokens_per_s, 1),
         accounting="verified",
         bottleneck=verdict.overall.label, calibration=params.train.max_steps is not None, timing=timing,
-        harness_cpu=harness, tracking=_tracking_stall(rd, tracker)))
+        harness_cpu=harness, tracking=_tracking_stall(rd, tracker), startup=phases))
     tracker.end("FINISHED")
     say_spool(rd, console)
     console.print(f"[bold]train[/]: {a.total_steps} steps verified (disjoint, complete ranks) in {span:.1f} s "
