@@ -43,7 +43,10 @@ def wide_prepared(tmp_path_factory):
     """(params_path, target_dir, data_dir) for the tests that stop a `draftlab extract` after its
     Nth batch: a wider tiny target (H = 256, not pre-trained) and 60 prepared samples (its own
     responses kept), so an extraction at 256 tokens a batch has many batches; written by the real
-    stages once per session. Tests read them and extract into folders of their own."""
+    stages once per session, on one torch thread (its weights are the seed's random init, so the
+    thread count changes nothing written; a second thread on the loaded 2-core host made target.run
+    several times slower). Tests read them and extract into folders of their own."""
+    import torch
     import yaml
 
     from draftlab.params import load_params
@@ -57,6 +60,11 @@ def wide_prepared(tmp_path_factory):
     params_path = root / "params.yaml"
     params_path.write_text(yaml.safe_dump(raw))
     params = load_params(params_path)
-    target.run(params, out_dir=root / "target", report_path=root / "target.json")
-    prepare.run(params, target_dir=root / "target", out_dir=root / "prepared")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target.run(params, out_dir=root / "target", report_path=root / "target.json")
+        prepare.run(params, target_dir=root / "target", out_dir=root / "prepared")
+    finally:
+        torch.set_num_threads(before)
     return params_path, root / "target", root / "prepared"
