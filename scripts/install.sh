@@ -6,12 +6,12 @@
 #                                 # drafts with, in .venv-vllm (scripts/install-vllm.sh)
 #
 # The CPU lock (requirements/cpu.txt, made by scripts/lock.sh) pins every package with its sha256
-# and is installed with --require-hashes and --no-deps (and so is requirements/test.txt, the suite's
-# lock on top of it): speculators declares torchvision and
+# and is installed with --require-hashes and --no-deps, by uv (scripts/lock-install.sh; and so is
+# requirements/test.txt, the suite's lock on top of it): speculators declares torchvision and
 # torchaudio, which it never imports and which break `import transformers` beside a CPU torch.
-# torch is the CPU build, torch==2.13.0+cpu, which PyPI does not serve: pip finds it in a local
-# wheel folder (pip's find-links) or, with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu,
-# on PyTorch's CPU index.
+# torch is the CPU build, torch==2.13.0+cpu, which PyPI does not serve: it is found in a local
+# wheel folder (pip's find-links, which lock-install.sh hands to uv) or, with
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu, on PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,12 +25,9 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 
 "${PIP[@]}" install --upgrade "pip>=24"
-lock_args=(--require-hashes --no-deps -r requirements/cpu.txt)
-if [ -n "${TORCH_INDEX_URL:-}" ]; then lock_args+=(--extra-index-url "$TORCH_INDEX_URL"); fi
-"${PIP[@]}" install "${lock_args[@]}"
-if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" install --require-hashes --no-deps -r requirements/test.txt
-fi
+locks=(requirements/cpu.txt)
+if [ "${1:-}" = "--test" ]; then locks+=(requirements/test.txt); fi
+scripts/lock-install.sh "$VENV" "${locks[@]}"
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 
 # Fail here, not in the first stage, if the environment is broken.

@@ -36,3 +36,35 @@ def reproduced(tmp_path_factory):
     root, env = checkout_copy(tmp_path_factory.mktemp("reproduced") / "repo")
     done = sh(["dvc", "repro"], root, env)
     return root, env, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="session")
+def wide_prepared(tmp_path_factory):
+    """(params_path, target_dir, data_dir) for the tests that stop a `draftlab extract` after its
+    Nth batch: a wider tiny target (H = 256, not pre-trained) and 60 prepared samples (its own
+    responses kept), so an extraction at 256 tokens a batch has many batches; written by the real
+    stages once per session, on one torch thread (its weights are the seed's random init, so the
+    thread count changes nothing written; a second thread on the loaded 2-core host made target.run
+    several times slower). Tests read them and extract into folders of their own."""
+    import torch
+    import yaml
+
+    from draftlab.params import load_params
+    from draftlab.stages import prepare, target
+
+    root = tmp_path_factory.mktemp("wide")
+    raw = {"target": {"tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
+                               "num_kv_heads": 2, "pretrain_steps": 0}},
+           "prepare": {"num_samples": 60, "max_seq_len": 128, "regenerate": False},
+           "extract": {"batch_tokens": 256, "dtype": "float32"}}
+    params_path = root / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw))
+    params = load_params(params_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target.run(params, out_dir=root / "target", report_path=root / "target.json")
+        prepare.run(params, target_dir=root / "target", out_dir=root / "prepared")
+    finally:
+        torch.set_num_threads(before)
+    return params_path, root / "target", root / "prepared"

@@ -1,5 +1,5 @@
-"""`dvc repro` for real, in a temp copy of the repo on the tiny default: the pipeline runs up to
-extract and DVC caches the store by hardlink; a second run does nothing; `dvc push` to a local
+"""`dvc repro` for real, in a copy of the session's `dvc repro` of the tiny default: the pipeline
+ran up to extract and DVC caches the store by hardlink; a second run does nothing; `dvc push` to a local
 remote and `dvc pull` in a fresh clone give the same bytes, which verify and do not re-extract;
 changing an extract param re-runs extract alone, and `git checkout` + `dvc checkout` bring the
 old store back byte for byte; with `extract.dvc_track: manifest` DVC versions the manifest alone."""
@@ -9,11 +9,10 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from draftlab.store import layout as store
-from tests.checkout import checkout_copy, sh
+from tests.checkout import copy_checkout, sh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,11 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(cmd, cwd, env):
     proc = sh(cmd, cwd, env)
     return proc.stdout + proc.stderr
-
-
-@pytest.fixture(scope="module")
-def repo_copy(tmp_path_factory):
-    return checkout_copy(tmp_path_factory.mktemp("repo"))
 
 
 def _files(store_dir: Path) -> dict[str, bytes]:
@@ -38,10 +32,12 @@ def _du_bytes(root: Path, *paths: str) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines()]
 
 
-def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
-    root, env = repo_copy
-    out = _run(["dvc", "repro", "extract"], root, env)
-    assert "Running stage 'extract'" in out
+def test_dvc_versions_the_store_push_pull_checkout(reproduced, tmp_path):
+    # the session's `dvc repro` of the tiny default (tests/integration/conftest.py), in a copy of
+    # its own: the pipeline ran up to extract (and on) there, in a fresh checkout
+    session_root, env, first = reproduced
+    assert "Running stage 'extract'" in first
+    root = copy_checkout(session_root, tmp_path / "repo")
     hs = root / "data/hidden_states"
     manifest = store.read_manifest(hs)
     prepared = yaml.safe_load((root / "data/prepared/prepare.json").read_text())
@@ -85,7 +81,7 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
 
     clone = tmp_path / "clone"
     _run(["git", "clone", "-q", str(root), str(clone)], tmp_path, env)
-    _run(["dvc", "pull", "--with-deps", "extract"], clone, env)  # train and export never ran
+    _run(["dvc", "pull", "--with-deps", "extract"], clone, env)  # extract and what it needs, alone
     assert _files(clone / "data/hidden_states") == v1
     _run(["draftlab", "verify", "data/hidden_states"], clone, env)
     pulled = _run(["dvc", "repro", "extract"], clone, env)
@@ -103,10 +99,10 @@ def test_dvc_versions_the_store_push_pull_checkout(repo_copy, tmp_path):
     _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "v2 fp8"], root, env)
 
     _run(["git", "checkout", "-q", "HEAD~1"], root, env)
-    _run(["dvc", "checkout", "extract"], root, env)  # train and export never ran here
+    _run(["dvc", "checkout", "extract"], root, env)  # extract's outputs alone
     assert _files(hs) == v1
     _run(["git", "checkout", "-q", "-"], root, env)
-    _run(["dvc", "checkout", "extract"], root, env)  # train and export never ran here
+    _run(["dvc", "checkout", "extract"], root, env)  # extract's outputs alone
     assert store.read_manifest(hs).dtype == "float8_e4m3fn"
 
     # The old params back: extract finds the old store it set aside, nothing re-extracted (DVC's

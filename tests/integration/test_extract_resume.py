@@ -7,42 +7,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from draftlab.rundir import StoreDir
 from draftlab.store import layout as store
 from tests.integration.pause import paused_after, wait_paused
 
-RAW = {
-    # A random-init target; 300 samples in batches of 256 tokens: far more batches than the 4 done before the kill.
-    "target": {"tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
-                        "num_kv_heads": 2, "pretrain_steps": 0}},
-    "prepare": {"num_samples": 300, "max_seq_len": 128, "regenerate": False},
-    "extract": {"batch_tokens": 256, "dtype": "float32"},
-}
 
-
-def _extract(params_path: Path, root: Path, out: str, env: dict | None = None) -> subprocess.Popen:
+def _extract(prepared, root: Path, out: str, env: dict | None = None) -> subprocess.Popen:
+    params_path, target_dir, data_dir = prepared
     return subprocess.Popen(
         [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(params_path),
-         "--target", str(root / "target"), "--data", str(root / "prepared"), "--out", str(root / out)],
+         "--target", str(target_dir), "--data", str(data_dir), "--out", str(root / out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )
 
 
-def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
-    from draftlab.params import load_params
-    from draftlab.stages import prepare, target
-
-    params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump(RAW))
-    params = load_params(params_path)
-    target.run(params, out_dir=tmp_path / "target", report_path=tmp_path / "target.json")
-    prepare.run(params, target_dir=tmp_path / "target", out_dir=tmp_path / "prepared")
-
+def test_kill_9_then_rerun_gives_a_byte_identical_store(wide_prepared, tmp_path):
+    """The session's random-init wide target and its 60 samples, in batches of 256 tokens: far more
+    batches than the 4 done before the kill."""
     # Interrupted run: stopped right after its 4th journaled batch (of many more), then SIGKILL.
     env, paused = paused_after(tmp_path, 4)
-    proc = _extract(params_path, tmp_path, "killed", env)
+    proc = _extract(wide_prepared, tmp_path, "killed", env)
     work = store.work_dir(tmp_path / "killed")  # where an unfinished store lives (outside DVC's output)
     journal = StoreDir(work).journal_path
     wait_paused(proc, paused)
@@ -55,9 +39,9 @@ def test_kill_9_then_rerun_gives_a_byte_identical_store(tmp_path):
     # A torn file from a kill mid-write is never taken as done.
     (work / ".hs_999.safetensors.tmp-1").write_bytes(b"half")
 
-    resumed = _extract(params_path, tmp_path, "killed")
+    resumed = _extract(wide_prepared, tmp_path, "killed")
     assert resumed.wait() == 0, resumed.stderr.read()
-    fresh = _extract(params_path, tmp_path, "fresh")
+    fresh = _extract(wide_prepared, tmp_path, "fresh")
     assert fresh.wait() == 0, fresh.stderr.read()
 
     killed_files = sorted(p.name for p in (tmp_path / "killed").iterdir() if not p.name.startswith("."))

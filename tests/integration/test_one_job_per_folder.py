@@ -59,22 +59,11 @@ def test_a_second_train_with_other_params_is_refused_and_the_live_folder_is_not_
         first.wait()
 
 
-def test_a_second_extract_on_one_store_is_refused_and_the_first_completes(tmp_path):
-    from draftlab.params import load_params
-    from draftlab.stages import prepare, target
-
-    raw = {"target": {"tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
-                               "num_kv_heads": 2, "pretrain_steps": 0}},
-           "prepare": {"num_samples": 40, "max_seq_len": 128, "regenerate": False},
-           "extract": {"batch_tokens": 256, "dtype": "float32"}}
-    params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump(raw))
-    params = load_params(params_path)
-    target.run(params, out_dir=tmp_path / "target", report_path=tmp_path / "target.json")
-    prepare.run(params, target_dir=tmp_path / "target", out_dir=tmp_path / "prepared")
+def test_a_second_extract_on_one_store_is_refused_and_the_first_completes(wide_prepared, tmp_path):
+    params_path, target_dir, data_dir = wide_prepared
     out = tmp_path / "hidden_states"
     cmd = [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(params_path),
-           "--target", str(tmp_path / "target"), "--data", str(tmp_path / "prepared"), "--out", str(out)]
+           "--target", str(target_dir), "--data", str(data_dir), "--out", str(out)]
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
 
     pause_env, paused = paused_after(tmp_path, 2)
@@ -99,4 +88,5 @@ def test_a_second_extract_on_one_store_is_refused_and_the_first_completes(tmp_pa
         first.wait()
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # the lock died with it
     assert rerun.returncode == 0, rerun.stderr
-    assert store.verify(out) == [] and json.loads(StoreDir(out).manifest.path.read_text())["num_files"] == 40
+    num_samples = yaml.safe_load(params_path.read_text())["prepare"]["num_samples"]
+    assert store.verify(out) == [] and json.loads(StoreDir(out).manifest.path.read_text())["num_files"] == num_samples

@@ -209,21 +209,11 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_a_rerun_with_space_complete
     _rerun_completes_once_each(cmd, env, out, tmp_path)
 
 
-def test_a_full_disk_in_the_middle_of_an_extraction_is_one_line_and_a_rerun_completes(tmp_path, small_disk):
-    from draftlab.params import load_params
-    from draftlab.stages import prepare, target
-
-    raw = {"target": {"tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
-                               "num_kv_heads": 2, "pretrain_steps": 0}},
-           "prepare": {"num_samples": 60, "max_seq_len": 128, "regenerate": False},
-           "extract": {"batch_tokens": 256, "dtype": "float32"}}
-    params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump(raw))
-    params = load_params(params_path)
-    target.run(params, out_dir=tmp_path / "target", report_path=tmp_path / "target.json")
-    prepare.run(params, target_dir=tmp_path / "target", out_dir=tmp_path / "prepared")
+def test_a_full_disk_in_the_middle_of_an_extraction_is_one_line_and_a_rerun_completes(wide_prepared, tmp_path,
+                                                                                        small_disk):
+    params_path, target_dir, data_dir = wide_prepared
     cmd = [sys.executable, "-m", "draftlab.cli", "extract", "--params", str(params_path),
-           "--target", str(tmp_path / "target"), "--data", str(tmp_path / "prepared")]
+           "--target", str(target_dir), "--data", str(data_dir)]
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
     out = small_disk / "hidden_states"
 
