@@ -2,7 +2,9 @@
 
     HiddenStateSource   what the trainer is told (its flags), what a rank installs before it
                         trains, the dataset an evaluation reads, what MLflow records of it, what
-                        must run while it is read (`opened`: a server, or nothing)
+                        must run while it is read (`opened`: a server, or nothing), what its
+                        loaders wait on when a run is data-bound (`describe_wait`, for the
+                        bottleneck verdict)
     StoreSource         the store on disk (`draftlab.store.layout`): bf16/fp32 files, or fp8 with
                         per-token scales dequantized on read; every file checked against the
                         manifest before it is decoded (VerifiedTransfer)
@@ -38,6 +40,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.pinned import check_speculators_version
@@ -57,6 +60,16 @@ def read_dtype(dtype: str) -> str:
 def backend(dtype: str) -> str:
     """speculators' `--hidden-states-backend` for a store of this dtype."""
     return "fp8" if dtype == store.FP8 else "file"
+
+
+@dataclass(frozen=True)
+class DataWait:
+    """What a source's loaders wait on, when disk and CPU figures would misname it: the bottleneck
+    verdict's data-bound label, why and remedy (`observe.bottleneck.classify`'s `wait`)."""
+
+    label: str
+    why: str
+    remedy: str
 
 
 class HiddenStateSource(ABC):
@@ -85,6 +98,12 @@ class HiddenStateSource(ABC):
 
     def check(self) -> None:
         """What can be checked before anything is written or started (one line, exit 2, when wrong)."""
+
+    def describe_wait(self) -> DataWait | None:
+        """What a rank's loader waits on when the run is data-bound, as the bottleneck verdict
+        names it (label, why, remedy), or None: reads from disk,
+        judged by the disk's and the CPUs' figures (`data-bound (disk)` / `data-bound (CPU)`)."""
+        return None
 
     @contextlib.contextmanager
     def opened(self, console) -> Iterator[HiddenStateSource]:
@@ -206,6 +225,16 @@ class VllmSource(HiddenStateSource):
         profile = {"source": self.name, "target": self.model, "layer_ids": self._layer_ids, "dtype": self.dtype,
                    "endpoint": self.endpoint or "draftlab's own vLLM server"}
         return {"name": "hidden-states.vllm", "sha": self.identity(), "path": self.exchange_dir, "profile": profile}
+
+    def describe_wait(self) -> DataWait:
+        return DataWait(
+            "data-bound (vLLM)",
+            "the loaders wait on the target's forward in vLLM (online source: every sample of every epoch is a "
+            "completion), not on a disk or on decode",
+            "raise train.num_workers (each worker keeps one sample's completion in flight, so vLLM batches more "
+            "of them), give the server more or faster GPUs (or point train.vllm_url at one), or, when "
+            "train.epochs > 1, extract once (extract.backend: vllm) and train from the store (train.source: "
+            "store): `draftlab plan` prices both modes")
 
     def check(self) -> None:
         if self.endpoint is not None:  # a user's server: it answers and serves the target
