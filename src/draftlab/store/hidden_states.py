@@ -15,6 +15,8 @@
                         extraction's) or `train.vllm_url`. No store is written or read.
     source_for          the source params choose (`train.source`): the one place a source is chosen
     source_for_store    the source of a store folder (its manifest says the dtype)
+    planned_source      the source `train.source` would read, named without starting or downloading
+                        anything (the planner matches past runs by its `identity()`)
     source_from_trainer_args
                         the same source, rebuilt in a rank from the flags the launcher gave it
                         (so the store's path, or the server's endpoint, reaches the ranks once, in
@@ -360,6 +362,41 @@ def source_for(params, *, store_dir: Path | None, target_dir: Path, out_dir: Pat
     num_layers = getattr(config, "text_config", config).num_hidden_layers
     layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
     return VllmSource(model=model, layer_ids=layer_ids, exchange_dir=exchange_dir(out_dir),
+                      endpoint=params.train.vllm_url, dtype=params.train.hidden_states_dtype, params=params,
+                      num_layers=num_layers)
+
+
+def planned_source(params, *, store_dir: Path, target_dir: Path, config: dict | None) -> HiddenStateSource | None:
+    """The source a training with `params` would read, as `draftlab plan` can name it before anything
+    runs (no server started, nothing downloaded): its `identity()` is the `data.hidden_states_hash`
+    of the past runs that trained on the same hidden states. None when it cannot be named yet: no
+    store of this target (`train.source: store`), or neither the target's config.json (`config`,
+    as the planner found it) nor its built folder to count its layers (`train.source: vllm`)."""
+    from draftlab.errors import MissingInput
+    from draftlab.params import ParamsError
+
+    if params.train.source == "store":
+        if not store.has_manifest(store_dir):
+            return None
+        target = store.read_manifest(store_dir).target
+        if target.path != params.target.path or target.source != params.target.source:
+            return None  # another target's store: its runs price nothing here
+        return StoreSource(store_dir)
+    from draftlab.models import resolve
+
+    try:
+        model = resolve(params, target_dir)
+    except (MissingInput, ParamsError):
+        return None
+    if params.target.source == "tiny":
+        num_layers = params.target.tiny.num_layers
+    else:
+        text = (config or {}).get("text_config") or config or {}
+        num_layers = text.get("num_hidden_layers")
+        if not isinstance(num_layers, int):
+            return None
+    layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
+    return VllmSource(model=model, layer_ids=layer_ids, exchange_dir=exchange_dir(Path(target_dir)),
                       endpoint=params.train.vllm_url, dtype=params.train.hidden_states_dtype, params=params,
                       num_layers=num_layers)
 
