@@ -130,3 +130,44 @@ def test_dvc_repro_of_the_online_pipeline_trains_without_a_store(tmp_path):
     assert not _ours(str(tmp_path)), "every server stopped"
     again = sh(["dvc", "repro", "online/dvc.yaml"], root, env)
     assert "Running stage" not in again.stdout and "Data and pipelines are up to date." in again.stdout
+
+
+def test_training_against_a_server_the_user_started_leaves_it_running(built, tmp_path, mlflow_store):
+    """`train.vllm_url`: the user starts the extraction server (the command docs/gpu-host.md gives,
+    built by draftlab's own `server_command`), `draftlab train` trains against it (1 rank, 1 epoch),
+    starts no server of its own and leaves the user's answering; the test then stops it."""
+    from draftlab.serve import serving
+    from draftlab.store import vllm_extract
+
+    params, target_dir, data_dir, _ = built
+    shared = tmp_path / "user-server-files"  # the server's connector writes here; the loader reads it once
+    shared.mkdir()
+    cmd = vllm_extract.server_command(params, python=vllm_env.vllm_python(), model=str(target_dir),
+                                      num_layers=params.target.tiny.num_layers, hidden_states_path=shared, cuda=False)
+    with serving.running(vllm_extract.guard_command(cmd), log_path=tmp_path / "user-vllm.log", what="the user's vLLM",
+                         startup_timeout_s=600, env=vllm_extract.server_env([]), api_key=False) as server:
+        raw = params.model_dump()
+        raw["train"].update({"source": "vllm", "vllm_url": f"{server.base_url}/v1", "gpus": 1, "epochs": 1,
+                             "total_seq_len": 128, "draft_vocab_size": 64})
+        params_path = tmp_path / "params.yaml"
+        params_path.write_text(yaml.safe_dump(raw))
+        out, mark = tmp_path / "run", str(tmp_path)
+        done = subprocess.run([sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path),
+                               "--target", str(target_dir), "--data", str(data_dir), "--store",
+                               str(tmp_path / "no-store"), "--out", str(out)],
+                              env=dict(os.environ, DRAFTLAB_TEST_MARK=mark), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "starting vLLM" not in done.stdout, "draftlab started no server of its own"
+        assert not _ours(mark), "nothing of draftlab's left running"
+        assert json.loads(server.get("/v1/models"))["data"][0]["id"] == str(target_dir), "the user's server still serves"
+        record = RunDir(out).train.read()
+        (run,) = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
+        assert run.info.run_id == record.run_id and run.info.status == "FINISHED"
+        assert run.data.params["hidden_states.source"] == "vllm"
+        assert run.data.params["hidden_states.vllm_server"] == "user"
+        assert json.loads((out / "accounting-check.json").read_text())["problems"] == []
+        assert not list(shared.iterdir()), "every sample's file was read once and deleted"
+        assert not (tmp_path / "no-store").exists()
+    from draftlab import procs
+
+    assert not procs.group_alive(server.pid), "the test stopped the user's server"
