@@ -144,8 +144,9 @@ def test_the_plan_finds_online_runs_for_an_online_profile_and_store_runs_for_an_
 
     target = tmp_path / "target"  # the built tiny target, as far as its layers are concerned
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": BASE.target.tiny.num_layers,
-                                                    "hidden_size": BASE.target.tiny.hidden_size}))
+    tiny = BASE.target.tiny
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": tiny.num_layers,
+                                                    "hidden_size": tiny.hidden_size}))
     online = BASE.model_copy(update={"train": BASE.train.model_copy(update={"source": "vllm"})})
     other_layers = online.model_copy(update={"extract": online.extract.model_copy(update={"layer_ids": [1, 3, 5]})})
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)

@@ -176,7 +176,8 @@ def test_an_online_runs_wait_is_named_as_the_vllm_forward_not_decode(tmp_path):
     prof.write_text("".join(json.dumps({"t": now + i, "rank": 0, "step": i, "fetch_ms": 400.0, "fwd_ms": 50.0,
                                         "bwd_ms": 100.0, "opt_ms": 10.0, "step_ms": 560.0}) + "\n" for i in range(10)))
     samples = [Sample(t=now + i, disk_read_mb_s=0.5, disk_busy_pct=1.0, cpu_busy_pct=97.0, cpu_idle_pct=3.0,
-                      cpu_iowait_pct=0.0, process_rss_mb=1.0, process_cpu_cores=1.5, shm_used_mb=None) for i in range(5)]
+                      cpu_iowait_pct=0.0, process_rss_mb=1.0, process_cpu_cores=1.5, shm_used_mb=None)
+               for i in range(5)]
     assert StoreSource(tmp_path / "store", dtype="bfloat16").describe_wait() is None, "a store: disk and CPU decide"
     online = VllmSource(model="target", layer_ids=[1, 2, 3], exchange_dir=tmp_path / ".vllm-train",
                         endpoint="http://127.0.0.1:8123/v1")

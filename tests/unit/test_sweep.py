@@ -100,7 +100,8 @@ def test_an_online_sweep_shares_the_users_server_or_is_refused_in_one_line(tmp_p
     (tmp_path / "data" / "prepared").mkdir(parents=True)  # no hidden-state store: online reads none
     (tmp_path / paths.TARGET).mkdir(parents=True)
     (tmp_path / paths.TARGET / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 8}')
-    (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\ndevices: 1\nspace:\n  train.lr: {low: 0.0001, high: 0.01}\n")
+    (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\ndevices: 1\n"
+                                         "space:\n  train.lr: {low: 0.0001, high: 0.01}\n")
     result = CliRunner().invoke(app, ["sweep", "space.yaml"])
     assert result.exit_code == 2, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1, result.output

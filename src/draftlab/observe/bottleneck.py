@@ -5,9 +5,10 @@
 decided it and a remedy. A loader that waits on something other than a disk and its decode (a
 live vLLM computing each sample: the online source) is named by the hidden-state source itself
 (`HiddenStateSource.describe_wait`: anything with `label`, `why` and `remedy`, passed in as
-`wait`): they replace the disk/CPU ones, so a new source changes no module here. `verdict_for_run` does it per window and for the run; `conclude` is
-what the train launcher calls at the end (tag `draftlab.bottleneck`, evidence artifact). MFU
-comes from the draft's FLOPs per token and the device's tabulated dense peak.
+`wait`): they replace the disk/CPU ones, so a new source changes no module here.
+`verdict_for_run` does it per window and for the run; `conclude` is what the train launcher
+calls at the end (tag `draftlab.bottleneck`, evidence artifact). MFU comes from the draft's
+FLOPs per token and the device's tabulated dense peak.
 """
 
 
@@ -32,6 +33,7 @@ BWD_TO_FWD = 2.0  # backward ≈ 2 × forward FLOPs: bwd_ms beyond that is commu
 LOW_MFU = 0.25  # below this, a compute-bound GPU still has most of its peak unused
 LOW_POWER_FRAC = 0.60  # "100 % util" below 60 % of the power limit: busy, not saturated
 
+# the labels judged here; a source's own data-bound label (`wait.label`) comes from the source
 LABELS = ("data-bound (disk)", "data-bound (CPU)", "compute-bound", "communication-bound", "straggler-bound")
 
 # ------------------------------------------------------------------ peak FLOPs
