@@ -130,3 +130,87 @@ def test_dvc_repro_of_the_online_pipeline_trains_without_a_store(tmp_path):
     assert not _ours(str(tmp_path)), "every server stopped"
     again = sh(["dvc", "repro", "online/dvc.yaml"], root, env)
     assert "Running stage" not in again.stdout and "Data and pipelines are up to date." in again.stdout
+
+
+@pytest.fixture(scope="module")
+def users_server(built, tmp_path_factory):
+    """The extraction server a user starts for `train.vllm_url` (the command docs/gpu-host.md gives,
+    built by draftlab's own `server_command`, CPU connector), shared by this module's tests that
+    use it; the fixture stops it and checks its process group is gone."""
+    from draftlab import procs
+    from draftlab.serve import serving
+    from draftlab.store import vllm_extract
+
+    params, target_dir, _, _ = built
+    root = tmp_path_factory.mktemp("users-vllm")
+    shared = root / "server-files"  # the server's connector writes here; a loader reads each file once
+    shared.mkdir()
+    cmd = vllm_extract.server_command(params, python=vllm_env.vllm_python(), model=str(target_dir),
+                                      num_layers=params.target.tiny.num_layers, hidden_states_path=shared, cuda=False)
+    with serving.running(vllm_extract.guard_command(cmd), log_path=root / "user-vllm.log", what="the user's vLLM",
+                         startup_timeout_s=600, env=vllm_extract.server_env([]), api_key=False) as server:
+        yield server, shared
+    assert not procs.group_alive(server.pid), "the user's server is stopped"
+
+
+def _online_params(params, server, tmp_path: Path) -> Path:
+    raw = params.model_dump()
+    raw["train"].update({"source": "vllm", "vllm_url": f"{server.base_url}/v1", "gpus": 1, "epochs": 1,
+                         "total_seq_len": 128, "draft_vocab_size": 64})
+    raw["evaluate"].update({"num_prompts": 2, "max_new_tokens": 8})
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_training_against_a_server_the_user_started_leaves_it_running(built, users_server, tmp_path, mlflow_store):
+    """`train.vllm_url`: `draftlab train` trains against the user's server (1 rank, 1 epoch), starts
+    no server of its own and leaves the user's answering."""
+    params, target_dir, data_dir, _ = built
+    server, shared = users_server
+    params_path = _online_params(params, server, tmp_path)
+    out, mark = tmp_path / "run", str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "draftlab.cli", "train", "--params", str(params_path),
+                           "--target", str(target_dir), "--data", str(data_dir), "--store",
+                           str(tmp_path / "no-store"), "--out", str(out)],
+                          env=dict(os.environ, DRAFTLAB_TEST_MARK=mark), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting vLLM" not in done.stdout, "draftlab started no server of its own"
+    assert not _ours(mark), "nothing of draftlab's left running"
+    assert json.loads(server.get("/v1/models"))["data"][0]["id"] == str(target_dir), "the user's server still serves"
+    record = RunDir(out).train.read()
+    (run,) = mlflow_store.search_runs([mlflow_store.get_experiment_by_name("draftlab").experiment_id])
+    assert run.info.run_id == record.run_id and run.info.status == "FINISHED"
+    assert run.data.params["hidden_states.source"] == "vllm"
+    assert run.data.params["hidden_states.vllm_server"] == "user"
+    assert json.loads((out / "accounting-check.json").read_text())["problems"] == []
+    assert not list(shared.iterdir()), "every sample's file was read once and deleted"
+    assert not (tmp_path / "no-store").exists()
+
+
+def test_a_sweep_online_shares_the_users_server(built, users_server, tmp_path, mlflow_store):
+    """`draftlab sweep` with train.vllm_url and no store: the calibration and a search trial train and
+    evaluate against the one server, a best draft is named, the server keeps serving."""
+    import csv
+
+    params, target_dir, data_dir, _ = built
+    server, _ = users_server
+    params_path = _online_params(params, server, tmp_path)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({
+        "study": "online", "params": str(params_path), "budget": "8m", "devices": 1, "stop_grace_s": 10,
+        "pruner": {"kind": "none"}, "calibration": {"steps": 20, "max_s": 150},
+        "space": {"train.lr": {"low": 1e-3, "high": 2e-2, "log": True}, "train.epochs": {"low": 1, "high": 1}}}))
+    mark = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "draftlab.cli", "sweep", str(space), "--n-trials", "2",
+                           "--target", str(target_dir), "--data", str(data_dir), "--store", str(tmp_path / "no-store"),
+                           "--out", str(tmp_path / "sweeps")],
+                          env=dict(os.environ, DRAFTLAB_TEST_MARK=mark), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(tmp_path / "sweeps" / "online" / "report" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["role"], r["state"]) for r in rows] == [("calibration", "FAIL"), ("search", "COMPLETE")]
+    assert float(rows[1]["value"]) >= 1.0, "the trial's draft was evaluated"
+    assert not _ours(mark), "nothing of the sweep's left running"
+    assert json.loads(server.get("/v1/models"))["data"][0]["id"] == str(target_dir), "the user's server still serves"
+    assert not (tmp_path / "no-store").exists()

@@ -135,6 +135,34 @@ def test_step_profile_recorder_and_conclude(tmp_path):
     assert saved["overall"]["label"] == "data-bound (CPU)" and saved["thresholds"]["STRAGGLER_RATIO"] == 1.2
 
 
+def test_the_end_of_run_verdict_of_an_online_run_names_the_vllm_source(tmp_path):
+    """conclude() on a loader-bound run's real step records: a store's run is `data-bound (CPU)`
+    (decode/collate), an online run's (VllmSource) is the target's forward in vLLM, with what to do."""
+    from draftlab.store.hidden_states import VllmSource
+
+    rec = tm.StepProfileRecorder(tmp_path, rank=0)
+    logger = logging.getLogger("draftlab.test.online")
+    logger.addHandler(rec)
+    logger.setLevel(logging.INFO)
+    try:
+        for step in range(5):
+            logger.info({"profile": {"fetch_ms": 400.0, "fwd_ms": 50.0, "bwd_ms": 100.0, "opt_ms": 10.0,
+                                     "step_ms": 560.0}}, extra={"step": step})
+    finally:
+        logger.removeHandler(rec)
+        rec.close()
+    assert bn.conclude(None, tmp_path, RecordingTracker()).overall.label == "data-bound (CPU)"
+    online = VllmSource(model="t", layer_ids=[1, 2, 3], exchange_dir=tmp_path / ".vllm-train")
+    tracker = RecordingTracker()
+    verdict = bn.conclude(None, tmp_path, tracker, device="cpu", wait=online.describe_wait()).overall
+    assert tracker.tags["draftlab.bottleneck"] == verdict.label == "data-bound (vLLM)"
+    line = verdict.line()
+    assert "target's forward in vLLM" in line and "decode/collate" not in line
+    assert "train.num_workers" in line and "train.source: store" in line and "draftlab plan" in line
+    saved = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert saved["overall"]["label"] == "data-bound (vLLM)"
+
+
 def test_mfu_and_peaks():
     assert bn.mfu(1e9, 1e4, 1e14) == pytest.approx(0.1)
     assert bn.mfu(1e9, 4e4, 1e14, num_devices=4) == pytest.approx(0.1)

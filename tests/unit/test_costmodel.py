@@ -125,3 +125,57 @@ def test_a_steps_cost_is_the_mean_without_compile_outliers():
     skewed = [0.1] * 7 + [0.4] * 3  # under load: most steps quick, some stalled; their sum is 10 × the mean
     assert cm.typical_step_s(skewed) == pytest.approx(sum(skewed) / 10)
     assert cm.typical_step_s([30.0] + skewed) == pytest.approx(sum(skewed) / 10), "a compile step is start-up"
+
+
+def test_the_plan_finds_online_runs_for_an_online_profile_and_store_runs_for_an_offline_one(
+        store_uri, tmp_path, monkeypatch):
+    """`draftlab plan` matches past runs by the identity of the hidden states `train.source` reads,
+    as training recorded it (tag data.hidden_states_hash = source.identity()): an online profile
+    finds the online runs of its target and layers, an offline one the store's runs, never the other."""
+    import json
+
+    import mlflow
+    from mlflow.entities import Metric, Param, RunTag
+
+    from draftlab.params import flatten
+    from draftlab.plan.inputs import measured_points
+    from draftlab.store.hidden_states import source_for
+    from draftlab.tracking import param_str
+
+    target = tmp_path / "target"  # the built tiny target, as far as its layers are concerned
+    target.mkdir()
+    tiny = BASE.target.tiny
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": tiny.num_layers,
+                                                    "hidden_size": tiny.hidden_size}))
+    online = BASE.model_copy(update={"train": BASE.train.model_copy(update={"source": "vllm"})})
+    other_layers = online.model_copy(update={"extract": online.extract.model_copy(update={"layer_ids": [1, 3, 5]})})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    client = mlflow.MlflowClient(store_uri)
+    exp = client.create_experiment("draftlab")
+    timing = {"steps": 21, "epochs": 2, "step_s": 1.5, "epoch_s": 0.5, "tokens_per_s": 700.0, "wall_s": 80.0}
+
+    def train_run(params, world_size, source_params: dict, hidden_states_hash: str) -> str:
+        rid = client.create_run(exp).info.run_id
+        client.log_batch(rid, params=[Param(k, param_str(v)) for k, v in flatten(params).items()]
+                         + [Param("world_size", str(world_size))]
+                         + [Param(k, v) for k, v in source_params.items()],
+                         tags=[RunTag("data.hidden_states_hash", hidden_states_hash)],
+                         metrics=[Metric(f"timing/{k}", float(v), 0, 0) for k, v in timing.items()])
+        client.set_terminated(rid, "FINISHED")
+        return rid
+
+    # what the train stage records: source_for's source, its mlflow_params and identity()
+    live = source_for(online, store_dir=None, target_dir=target, out_dir=tmp_path / "train")
+    elsewhere = source_for(other_layers, store_dir=None, target_dir=target, out_dir=tmp_path / "train")
+    online_run = train_run(online, 1, live.mlflow_params(), live.identity())
+    train_run(other_layers, 2, elsewhere.mlflow_params(), elsewhere.identity())  # other layers: other hidden states
+    store_run = train_run(BASE, 4, {"hidden_states.source": "store"}, "a-manifest-hash")
+    old_run = train_run(BASE, 8, {}, "an-older-manifest")  # before online training: no source param, a store
+
+    def run_ids(points) -> dict:
+        return {n: p.source.split()[2] for n, p in points.items()}  # "mlflow run <id> (…)"
+
+    points, _ = measured_points(online, tmp_path / "no-store", target)
+    assert run_ids(points) == {1: online_run}
+    points, _ = measured_points(BASE, tmp_path / "no-store", target)  # offline, no store here: every store run
+    assert run_ids(points) == {4: store_run, 8: old_run}

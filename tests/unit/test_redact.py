@@ -49,7 +49,7 @@ def test_the_mlflow_link_and_the_plan_note_hide_the_tracking_password(monkeypatc
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     link = tracking.ui_url("1", "abc")
     assert SECRET not in link and link.startswith("http://127.0.0.1:1/#/experiments/1/runs/abc")
-    _, note = measured_points(tiny_params(), tmp_path / "no-store")
+    _, note = measured_points(tiny_params(), tmp_path / "no-store", tmp_path / "target")
     assert SECRET not in note and "alice:***@127.0.0.1:1" in note
 
 

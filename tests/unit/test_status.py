@@ -160,6 +160,37 @@ def test_a_live_window_goes_to_mlflow_and_the_run_folder(tmp_path):
     assert info["bottleneck"]["label"] == rec["label"]
 
 
+def test_an_online_runs_wait_is_named_as_the_vllm_forward_not_decode(tmp_path):
+    """The same loader-bound step records: from a store they are the disk or the CPUs; from a live
+    vLLM (train.source: vllm) the verdict, live and in `draftlab status`, names the server's forward."""
+    from types import SimpleNamespace
+
+    from draftlab.observe.live import LiveVerdict
+    from draftlab.observe.telemetry import Sample
+    from draftlab.store.hidden_states import StoreSource, VllmSource
+
+    rd = RunDir(tmp_path)
+    prof = rd.profile_file(0)
+    prof.parent.mkdir(parents=True)
+    now = time.time()
+    prof.write_text("".join(json.dumps({"t": now + i, "rank": 0, "step": i, "fetch_ms": 400.0, "fwd_ms": 50.0,
+                                        "bwd_ms": 100.0, "opt_ms": 10.0, "step_ms": 560.0}) + "\n" for i in range(10)))
+    samples = [Sample(t=now + i, disk_read_mb_s=0.5, disk_busy_pct=1.0, cpu_busy_pct=97.0, cpu_idle_pct=3.0,
+                      cpu_iowait_pct=0.0, process_rss_mb=1.0, process_cpu_cores=1.5, shm_used_mb=None)
+               for i in range(5)]
+    assert StoreSource(tmp_path / "store", dtype="bfloat16").describe_wait() is None, "a store: disk and CPU decide"
+    online = VllmSource(model="target", layer_ids=[1, 2, 3], exchange_dir=tmp_path / ".vllm-train",
+                        endpoint="http://127.0.0.1:8123/v1")
+    live = LiveVerdict(SimpleNamespace(samples=samples), tmp_path, RecordingTracker(), window_s=60, device="cpu",
+                       wait=online.describe_wait())
+    rec = live.window()
+    assert rec["label"] == "data-bound (vLLM)"
+    assert "target's forward in vLLM" in rec["evidence"]["why"] and "decode" not in rec["label"]
+    assert "train.num_workers" in rec["remedy"] and "draftlab plan" in rec["remedy"]
+    shown = st.run_status(_with_run(tmp_path))["bottleneck"]
+    assert shown["label"] == "data-bound (vLLM)" and "offline" not in shown["label"]
+
+
 def _with_run(path: Path) -> Path:
     RunDir(path).run.write(RunState(key="k", run_id="r"))
     return path

@@ -82,6 +82,39 @@ def test_cli_bad_space_exits_2_with_one_line_and_writes_nothing(tmp_path, monkey
     assert not (tmp_path / "runs").exists(), "nothing is created for a rejected space"
 
 
+@pytest.mark.parametrize("train, needle", [
+    # each trial would start its own server and load the target again: refused, before anything is written
+    ("{source: vllm, gpus: 1}", "train.source is vllm without train.vllm_url"),
+    # one server the trials share: no store needed, and that server is asked once, before any trial
+    ("{source: vllm, vllm_url: 'http://127.0.0.1:9/v1', gpus: 1}", "train.vllm_url: http://127.0.0.1:9/v1/models "
+                                                                  "does not answer"),
+])
+def test_an_online_sweep_shares_the_users_server_or_is_refused_in_one_line(tmp_path, monkeypatch, train, needle):
+    from typer.testing import CliRunner
+
+    from draftlab import paths
+    from draftlab.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(f"train: {train}\n")
+    (tmp_path / "data" / "prepared").mkdir(parents=True)  # no hidden-state store: online reads none
+    (tmp_path / paths.TARGET).mkdir(parents=True)
+    (tmp_path / paths.TARGET / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 8}')
+    (tmp_path / "space.yaml").write_text("study: s\nbudget: 1h\ndevices: 1\n"
+                                         "space:\n  train.lr: {low: 0.0001, high: 0.01}\n")
+    result = CliRunner().invoke(app, ["sweep", "space.yaml"])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert "hidden-state store" not in result.output
+    assert not (tmp_path / "runs").exists(), "nothing is created for a refused sweep"
+
+
+def test_the_source_is_not_a_sweep_dimension(tmp_path):
+    spec = make_spec(tmp_path, space={"train.source": {"choices": ["store", "vllm"]}})
+    with pytest.raises(SpaceError, match="space.train.source: every trial reads the same hidden states"):
+        check_spec(spec, BASE, num_devices=2)
+
+
 # ---------------------------------------------------------------- cost model and budget arithmetic
 
 

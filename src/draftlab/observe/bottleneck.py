@@ -2,9 +2,13 @@
 
 `classify(window)` names what limited a window of a run: `data-bound (disk)`, `data-bound
 (CPU)`, `compute-bound`, `communication-bound` or `straggler-bound`, with the figures that
-decided it and a remedy. `verdict_for_run` does it per window and for the run; `conclude` is
-what the train launcher calls at the end (tag `draftlab.bottleneck`, evidence artifact). MFU
-comes from the draft's FLOPs per token and the device's tabulated dense peak.
+decided it and a remedy. A loader that waits on something other than a disk and its decode (a
+live vLLM computing each sample: the online source) is named by the hidden-state source itself
+(`HiddenStateSource.describe_wait`: anything with `label`, `why` and `remedy`, passed in as
+`wait`): they replace the disk/CPU ones, so a new source changes no module here.
+`verdict_for_run` does it per window and for the run; `conclude` is what the train launcher
+calls at the end (tag `draftlab.bottleneck`, evidence artifact). MFU comes from the draft's
+FLOPs per token and the device's tabulated dense peak.
 """
 
 
@@ -29,6 +33,7 @@ BWD_TO_FWD = 2.0  # backward ≈ 2 × forward FLOPs: bwd_ms beyond that is commu
 LOW_MFU = 0.25  # below this, a compute-bound GPU still has most of its peak unused
 LOW_POWER_FRAC = 0.60  # "100 % util" below 60 % of the power limit: busy, not saturated
 
+# the labels judged here; a source's own data-bound label (`wait.label`) comes from the source
 LABELS = ("data-bound (disk)", "data-bound (CPU)", "compute-bound", "communication-bound", "straggler-bound")
 
 # ------------------------------------------------------------------ peak FLOPs
@@ -146,8 +151,9 @@ def comm_frac_estimate(fwd_ms: float, bwd_ms: float, step_ms: float, bwd_ms_sing
     return max(bwd_ms - compute, 0.0) / step_ms if step_ms > 0 else 0.0
 
 
-def classify(w: TelemetryWindow) -> Verdict:
-    """The largest loss above its threshold decides; no loss above threshold = compute-bound."""
+def classify(w: TelemetryWindow, wait=None) -> Verdict:
+    """The largest loss above its threshold decides; no loss above threshold = compute-bound.
+    `wait`: what the source says its loaders wait on (None: a store, judged by disk and CPU)."""
     missing = [k for k in ("data_wait_frac", "disk_read_mb_s", "cpu_busy_pct", "rank_busy_ms", "comm_frac")
                if getattr(w, k) is None]
     losses = {}
@@ -180,6 +186,8 @@ def classify(w: TelemetryWindow) -> Verdict:
         ev = {**base, "disk_read": _fmt(w.disk_read_mb_s, " MB/s"), "disk_busy": _fmt(w.disk_busy_pct, " %"),
               "disk_ceiling": _fmt(w.disk_ceiling_mb_s, " MB/s"), "cpu_busy": _fmt(w.cpu_busy_pct, " %"),
               "cpu_iowait": _fmt(w.cpu_iowait_pct, " %", 1)}
+        if wait is not None:
+            return Verdict(wait.label, {**base, "cpu_busy": _fmt(w.cpu_busy_pct, " %"), "why": wait.why}, wait.remedy)
         if at_ceiling or disk_busy or (iowait and not cpu_busy):
             why = "at the device's limit" if (at_ceiling or disk_busy) else "below its limit, loaders blocked in iowait"
             return Verdict("data-bound (disk)", {**ev, "why": f"reads {why}"},
@@ -241,16 +249,16 @@ class RunVerdict:
         return {"overall": asdict(self.overall), "windows": self.windows, "shares": self.shares}
 
 
-def verdict_for_run(windows: list[TelemetryWindow]) -> RunVerdict:
+def verdict_for_run(windows: list[TelemetryWindow], wait=None) -> RunVerdict:
     """Per-window labels; the run's label is the one that held longest, with the evidence of
-    the longest window that had it."""
+    the longest window that had it. `wait`: as `classify`'s."""
     if not windows:
         empty = Verdict("compute-bound", {"missing": ["every window"]}, "no telemetry was recorded")
         return RunVerdict(empty, [], {})
     # Windows without a training step (start-up, the final checkpoint/validation) carry no
     # evidence about steps: judge the run on the windows that trained, when there are any.
     stepping = [w for w in windows if w.step_ms is not None]
-    judged = [(w, classify(w)) for w in (stepping or windows)]
+    judged = [(w, classify(w, wait)) for w in (stepping or windows)]
     time_by: dict[str, float] = {}
     for w, v in judged:
         time_by[v.label] = time_by.get(v.label, 0.0) + max(w.end_s - w.start_s, 1e-9)
@@ -318,10 +326,11 @@ def build_windows(samples: list[Sample], steps: list[dict], *, window_s: float =
 
 def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window_s: float = 60.0,
              disk_ceiling_mb_s: float | None = None, flops_per_token: float | None = None,
-             device: str | None = None) -> RunVerdict:
+             device: str | None = None, wait=None) -> RunVerdict:
     """End of a run: windows → verdict; tag `draftlab.bottleneck`, log the evidence as
     `bottleneck.json` and perf/mfu, perf/gpu_power_frac per window (GPU hosts). `device`: what
-    trained ("cuda", "cpu"; the verdict speaks only of what was measured on it)."""
+    trained ("cuda", "cpu"; the verdict speaks only of what was measured on it); `wait`: what the
+    hidden-state source says its loaders wait on (`HiddenStateSource.describe_wait`)."""
     from draftlab.util import write_json_atomic
 
     samples = sampler.samples if sampler else []
@@ -332,7 +341,7 @@ def conclude(sampler: TelemetrySampler | None, run_dir: Path, tracker, *, window
     windows = build_windows(samples, read_step_records(run_dir), window_s=window_s,
                             disk_ceiling_mb_s=disk_ceiling_mb_s, flops_per_token=flops_per_token, peak=peak,
                             device=device)
-    verdict = verdict_for_run(windows)
+    verdict = verdict_for_run(windows, wait)
     for w in windows:
         figures = {k: v for k, v in (("perf/mfu", w.mfu), ("perf/gpu_power_frac", w.gpu_power_frac)) if v is not None}
         if figures and w.last_step is not None:

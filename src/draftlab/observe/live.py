@@ -73,9 +73,10 @@ class LiveVerdict:
     SAY_POLL_S = 2.0  # how often, once a window has a verdict, progress.json is read for the first trend
 
     def __init__(self, sampler, run_dir: Path, tracker, *, window_s: float = 60.0, console=None,
-                 device: str | None = None):
+                 device: str | None = None, wait=None):
         self.sampler, self.run_dir, self.tracker, self.window_s = sampler, Path(run_dir), tracker, window_s
         self.device = device  # "cuda", "cpu": what trains (the verdict names only what was measured there)
+        self.wait = wait  # store.hidden_states.DataWait: what the source's loaders wait on (None: a store)
         self.console = console
         self.tail = _Tail(run_dir)
         self.taken = 0  # samples already in a window
@@ -123,7 +124,7 @@ class LiveVerdict:
         if not built:
             return None
         w = built[0]
-        v = classify(w)
+        v = classify(w, self.wait)
         rec = {"label": v.label, "evidence": v.evidence, "remedy": v.remedy, "t_end": time.time(),
                "window": f"last {self.window_s:.0f} s", "last_step": w.last_step,
                "figures": {k: getattr(w, k) for k in FIGURES if getattr(w, k) is not None}}

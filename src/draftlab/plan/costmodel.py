@@ -173,17 +173,19 @@ def step_timing(step_end_s: Mapping[int, float], per_epoch: Sequence[int], step_
 
 
 def points_from_mlflow(params: Params, gpu_counts: Sequence[int] | None = None, *, client,
-                       store_hash: str | None = None, device_model: str | None = None,
+                       store_hash: str | None = None, device_model: str | None = None, source: str = "store",
                        experiment: str = "draftlab", max_runs: int = 500) -> dict[int, Point]:
     """The latest finished training per GPU count — a calibration or any run — whose params in
-    MATCH_PARAMS, hidden-state store (when given) and device model (when given) match."""
+    MATCH_PARAMS, hidden-state source (`source`: `train.source`'s value; `store_hash`, when given:
+    the source's `identity()`) and device model (when given) match."""
     return {n: pts[0] for n, pts in matching_points(params, gpu_counts, client=client, store_hash=store_hash,
+                                                    source=source,
                                                     device_model=device_model, experiment=experiment,
                                                     max_runs=max_runs, per_count=1).items()}
 
 
 def matching_points(params: Params, gpu_counts: Sequence[int] | None = None, *, client,
-                    store_hash: str | None = None, device_model: str | None = None,
+                    store_hash: str | None = None, device_model: str | None = None, source: str = "store",
                     experiment: str = "draftlab", max_runs: int = 500, per_count: int = 1) -> dict[int, list[Point]]:
     """The `per_count` latest matching finished trainings per GPU count (newest first), by the one
     matching rule of points_from_mlflow."""
@@ -203,6 +205,9 @@ def matching_points(params: Params, gpu_counts: Sequence[int] | None = None, *, 
         if len(found.get(n, ())) >= per_count or (gpu_counts is not None and n not in gpu_counts):
             continue
         if any(p.get(k) not in v for k, v in want.items()):
+            continue
+        # a run's source (param hidden_states.source; runs from before online training read a store)
+        if p.get("hidden_states.source", "store") != source:
             continue
         if store_hash is not None and tags.get("data.hidden_states_hash") != store_hash:
             continue

@@ -77,16 +77,15 @@ def hidden_size(params: Params, target_dir: Path, store_dir: Path, flag: int | N
                       "(e.g. 7168 for Kimi-K2.5) or download its config.json")
 
 
-def store_hash(params: Params, store_dir: Path) -> str | None:
-    """The store's manifest hash when it belongs to this target (then runs must match it)."""
-    from draftlab.store import layout as store
+def source_identity(params: Params, store_dir: Path, target_dir: Path) -> str | None:
+    """The identity of the hidden states `train.source` reads (`HiddenStateSource.identity`: a
+    store's manifest hash, an online server's target and layers) when it can be named before
+    anything runs; past runs must have trained on the same (their `data.hidden_states_hash`)."""
+    from draftlab.store.hidden_states import planned_source
 
-    if not store.has_manifest(store_dir):
-        return None
-    target = store.read_manifest(store_dir).target
-    if target.path != params.target.path or target.source != params.target.source:
-        return None
-    return store.manifest_hash(store_dir)
+    config, _ = target_config(params, target_dir)
+    source = planned_source(params, store_dir=store_dir, target_dir=target_dir, config=config)
+    return None if source is None else source.identity()
 
 
 def tracking_store_exists(uri: str) -> bool:
@@ -101,8 +100,9 @@ def tracking_store_exists(uri: str) -> bool:
     return True  # a server: reading it creates nothing
 
 
-def measured_points(params: Params, store_dir: Path) -> tuple[dict, str]:
-    """(points by GPU count, a note on where they were looked for)."""
+def measured_points(params: Params, store_dir: Path, target_dir: Path) -> tuple[dict, str]:
+    """(points by GPU count, a note on where they were looked for): past runs that read the same
+    kind of source (`train.source`) and, when it can be named, the same hidden states."""
     from draftlab import redact, tracking
 
     uri = tracking.tracking_uri()
@@ -112,8 +112,8 @@ def measured_points(params: Params, store_dir: Path) -> tuple[dict, str]:
     from draftlab.plan import costmodel
 
     try:
-        points = costmodel.points_from_mlflow(params, client=tracking.client(uri),
-                                              store_hash=store_hash(params, store_dir))
+        points = costmodel.points_from_mlflow(params, client=tracking.client(uri), source=params.train.source,
+                                              store_hash=source_identity(params, store_dir, target_dir))
     except Exception as err:  # noqa: BLE001 — unreachable server, old schema: plan without them
         return {}, f"MLflow at {shown} not read ({type(err).__name__})"
     return points, f"{len(points)} matching run(s) in {shown}"

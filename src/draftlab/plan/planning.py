@@ -286,7 +286,7 @@ def plan_for(params, *, target_dir: Path, data_dir: Path, store_dir: Path, gpu_c
     num_samples, num_tokens = stated or (len(lengths), int(sum(lengths)))
     h, _ = plan_inputs.hidden_size(params, target_dir, store_dir, hidden_size)
     scenario = Scenario.from_params(params, num_samples=num_samples, num_tokens=num_tokens, hidden_size=h)
-    points, note = plan_inputs.measured_points(params, store_dir)
+    points, note = plan_inputs.measured_points(params, store_dir, target_dir)
     existing = store.read_manifest(store_dir).total_bytes if store.has_manifest(store_dir) else 0  # a re-extract frees it
     plan = make_plan(
         scenario, lengths=lengths, gpu_counts=gpu_counts, points=points,

@@ -102,7 +102,7 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
                                     layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
             rd.command.write(Command(cmd=cmd))
-            ranks = launch.run_ranks(cmd, env, rd, store_dir=live.reads_from, tracker=tracker, run_id=run_id,
+            ranks = launch.run_ranks(cmd, env, rd, source=live, tracker=tracker, run_id=run_id,
                                      console=console, device=device, clock=clock)
         # check what the ranks did, then record it
         if ranks.rc != 0:

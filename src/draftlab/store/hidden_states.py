@@ -2,7 +2,9 @@
 
     HiddenStateSource   what the trainer is told (its flags), what a rank installs before it
                         trains, the dataset an evaluation reads, what MLflow records of it, what
-                        must run while it is read (`opened`: a server, or nothing)
+                        must run while it is read (`opened`: a server, or nothing), what its
+                        loaders wait on when a run is data-bound (`describe_wait`, for the
+                        bottleneck verdict)
     StoreSource         the store on disk (`draftlab.store.layout`): bf16/fp32 files, or fp8 with
                         per-token scales dequantized on read; every file checked against the
                         manifest before it is decoded (VerifiedTransfer)
@@ -13,6 +15,8 @@
                         extraction's) or `train.vllm_url`. No store is written or read.
     source_for          the source params choose (`train.source`): the one place a source is chosen
     source_for_store    the source of a store folder (its manifest says the dtype)
+    planned_source      the source `train.source` would read, named without starting or downloading
+                        anything (the planner matches past runs by its `identity()`)
     source_from_trainer_args
                         the same source, rebuilt in a rank from the flags the launcher gave it
                         (so the store's path, or the server's endpoint, reaches the ranks once, in
@@ -38,6 +42,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.pinned import check_speculators_version
@@ -57,6 +62,16 @@ def read_dtype(dtype: str) -> str:
 def backend(dtype: str) -> str:
     """speculators' `--hidden-states-backend` for a store of this dtype."""
     return "fp8" if dtype == store.FP8 else "file"
+
+
+@dataclass(frozen=True)
+class DataWait:
+    """What a source's loaders wait on, when disk and CPU figures would misname it: the bottleneck
+    verdict's data-bound label, why and remedy (`observe.bottleneck.classify`'s `wait`)."""
+
+    label: str
+    why: str
+    remedy: str
 
 
 class HiddenStateSource(ABC):
@@ -85,6 +100,12 @@ class HiddenStateSource(ABC):
 
     def check(self) -> None:
         """What can be checked before anything is written or started (one line, exit 2, when wrong)."""
+
+    def describe_wait(self) -> DataWait | None:
+        """What a rank's loader waits on when the run is data-bound, as the bottleneck verdict
+        names it (label, why, remedy), or None: reads from disk,
+        judged by the disk's and the CPUs' figures (`data-bound (disk)` / `data-bound (CPU)`)."""
+        return None
 
     @contextlib.contextmanager
     def opened(self, console) -> Iterator[HiddenStateSource]:
@@ -206,6 +227,16 @@ class VllmSource(HiddenStateSource):
         profile = {"source": self.name, "target": self.model, "layer_ids": self._layer_ids, "dtype": self.dtype,
                    "endpoint": self.endpoint or "draftlab's own vLLM server"}
         return {"name": "hidden-states.vllm", "sha": self.identity(), "path": self.exchange_dir, "profile": profile}
+
+    def describe_wait(self) -> DataWait:
+        return DataWait(
+            "data-bound (vLLM)",
+            "the loaders wait on the target's forward in vLLM (online source: every sample of every epoch is a "
+            "completion), not on a disk or on decode",
+            "raise train.num_workers (each worker keeps one sample's completion in flight, so vLLM batches more "
+            "of them), give the server more or faster GPUs (or point train.vllm_url at one), or, when "
+            "train.epochs > 1, extract once (extract.backend: vllm) and train from the store (train.source: "
+            "store): `draftlab plan` prices both modes")
 
     def check(self) -> None:
         if self.endpoint is not None:  # a user's server: it answers and serves the target
@@ -331,6 +362,41 @@ def source_for(params, *, store_dir: Path | None, target_dir: Path, out_dir: Pat
     num_layers = getattr(config, "text_config", config).num_hidden_layers
     layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
     return VllmSource(model=model, layer_ids=layer_ids, exchange_dir=exchange_dir(out_dir),
+                      endpoint=params.train.vllm_url, dtype=params.train.hidden_states_dtype, params=params,
+                      num_layers=num_layers)
+
+
+def planned_source(params, *, store_dir: Path, target_dir: Path, config: dict | None) -> HiddenStateSource | None:
+    """The source a training with `params` would read, as `draftlab plan` can name it before anything
+    runs (no server started, nothing downloaded): its `identity()` is the `data.hidden_states_hash`
+    of the past runs that trained on the same hidden states. None when it cannot be named yet: no
+    store of this target (`train.source: store`), or neither the target's config.json (`config`,
+    as the planner found it) nor its built folder to count its layers (`train.source: vllm`)."""
+    from draftlab.errors import MissingInput
+    from draftlab.params import ParamsError
+
+    if params.train.source == "store":
+        if not store.has_manifest(store_dir):
+            return None
+        target = store.read_manifest(store_dir).target
+        if target.path != params.target.path or target.source != params.target.source:
+            return None  # another target's store: its runs price nothing here
+        return StoreSource(store_dir)
+    from draftlab.models import resolve
+
+    try:
+        model = resolve(params, target_dir)
+    except (MissingInput, ParamsError):
+        return None
+    if params.target.source == "tiny":
+        num_layers = params.target.tiny.num_layers
+    else:
+        text = (config or {}).get("text_config") or config or {}
+        num_layers = text.get("num_hidden_layers")
+        if not isinstance(num_layers, int):
+            return None
+    layer_ids = params.extract.layer_ids or store.default_layer_ids(num_layers)
+    return VllmSource(model=model, layer_ids=layer_ids, exchange_dir=exchange_dir(Path(target_dir)),
                       endpoint=params.train.vllm_url, dtype=params.train.hidden_states_dtype, params=params,
                       num_layers=num_layers)
 

@@ -40,6 +40,7 @@ launcher (draftlab.sweep.trial) runs `draftlab train` + `draftlab evaluate` in a
     trial        one trial as a process (`python -m draftlab.sweep.trial`) and the launcher of it
 
 Sits above the stages (it runs `train` and `evaluate` as a trial does).
-May import: the shared core, `stages`, `plan`, `training.job`, `store.layout`, `registry` (the best
-trial's alias), `serve.draft_export` (a trial's draft folder).
+May import: the shared core, `stages`, `plan`, `training.job`, `store.layout`, `store.hidden_states`
+(the source every trial reads: a shared vLLM server is checked once), `registry` (the best trial's
+alias), `serve.draft_export` (a trial's draft folder).
 """

@@ -233,6 +233,9 @@ def check_spec(spec: SweepSpec, base: Params, *, num_devices: int, calibrated: s
             raise SpaceError(f"space.{key}: {hint}")
         if key in ("train.nnodes", "train.node_rank", "train.rdzv_endpoint", "train.device"):
             raise SpaceError(f"space.{key}: a trial runs on one worker's devices; this key is not searchable")
+        if key in ("train.source", "train.vllm_url"):
+            raise SpaceError(f"space.{key}: every trial reads the same hidden states; set it in {spec.params}, "
+                             "not in the space")
         for value in dim.extremes():
             try:
                 trial_params(base, {key: value})
@@ -246,6 +249,10 @@ def check_spec(spec: SweepSpec, base: Params, *, num_devices: int, calibrated: s
                          "calibrated once")
     if base.train.nnodes != 1:
         raise SpaceError(f"{spec.params}: train.nnodes is {base.train.nnodes}; a sweep trial runs on one node")
+    if base.train.source == "vllm" and base.train.vllm_url is None:
+        raise SpaceError(f"{spec.params}: train.source is vllm without train.vllm_url: every trial would start "
+                         "its own vLLM server and load the target again; start one server (docs/gpu-host.md) and "
+                         "set train.vllm_url so the trials share it, or sweep from the store (train.source: store)")
     top = max(spec.gpu_counts(base))
     if top > num_devices:
         raise SpaceError(f"space.train.gpus: {top} exceeds the {num_devices} device slot(s) of this worker; "

@@ -126,16 +126,28 @@ def run(spec: SweepSpec, base: Params, *, target_dir: Path, data_dir: Path, stor
     url = storage_url(spec, out_dir)
     from draftlab.store import layout as store
 
-    for path, what in ((data_dir, "prepared dataset"), (store.manifest_path(store_dir), "hidden-state store")):
+    needed = [(data_dir, "prepared dataset")]
+    if base.train.source == "store":  # online (train.vllm_url): the trials share the user's server, no store
+        needed.append((store.manifest_path(store_dir), "hidden-state store"))
+    for path, what in needed:
         if not path.exists():
             raise SpaceError(f"{path}: no {what}; run `dvc repro extract` first (every trial trains on it)")
     check_spec(spec, base, num_devices=len(devices), calibrated=set(spec.gpu_counts(base)))  # all but the budget
+    if base.train.source == "vllm":  # the one server every trial asks answers and serves the target, or one line
+        from draftlab.plan.inputs import target_config
+        from draftlab.store.hidden_states import planned_source
+
+        config, _ = target_config(base, target_dir)
+        if (source := planned_source(base, store_dir=store_dir, target_dir=target_dir, config=config)) is not None:
+            source.check()
     reused: dict[int, Point] = {}
     if spec.calibration.reuse:
         from draftlab.devices import device_tags
         from draftlab.plan.costmodel import points_from_mlflow
+        from draftlab.plan.inputs import source_identity
 
-        found = points_from_mlflow(base, spec.gpu_counts(base), store_hash=store.manifest_hash(store_dir),
+        found = points_from_mlflow(base, spec.gpu_counts(base), source=base.train.source,
+                                   store_hash=source_identity(base, store_dir, target_dir),
                                    device_model=device_tags("cuda" if gpu else "cpu")["device.model"],
                                    client=tracking.client())
         reused = {n: p for n, p in found.items() if p.after_s is not None}  # a trial's: evaluate timed too

@@ -40,19 +40,22 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
 @dataclass
 class Ranks:
     """How node 0's torchrun ended: its exit code, its wall and the launcher's CPU seconds, and
-    the telemetry sampler whose windows the bottleneck verdict reads."""
+    the telemetry sampler whose windows the bottleneck verdict reads, and what the source said its
+    loaders wait on (`HiddenStateSource.describe_wait`, for that verdict)."""
 
     rc: int
     wall_s: float
     launcher_cpu_s: float
     sampler: object
+    wait: object = None
 
 
-def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Path, tracker, run_id: str,
+def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, source, tracker, run_id: str,
               console, device: str, clock=None) -> Ranks:
-    """Node 0's torchrun under its observers (MLflow's system metrics, draftlab's telemetry and
-    live verdict), recorded in the run folder (launch.json) while it runs; a rank that outlived
-    it (it should not) is stopped after. `clock` (training.startup.Clock) notes torchrun's start."""
+    """Node 0's torchrun under its observers (MLflow's system metrics, draftlab's telemetry of the
+    disk `source` reads from and the live verdict, told what the source's loaders wait on),
+    recorded in the run folder (launch.json) while it runs; a rank that outlived it (it should
+    not) is stopped after. `clock` (training.startup.Clock) notes torchrun's start."""
     from draftlab import threads, tracking
     from draftlab.observe import telemetry
     from draftlab.observe.live import LiveVerdict
@@ -61,8 +64,10 @@ def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Pat
     launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
     with tracking.system_metrics(run_id, interval_s=2):
         threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
-        sampler = telemetry.TelemetrySampler(store_dir, tracker).start()
-        live_verdict = LiveVerdict(sampler, rd.path, tracker, console=console, device=device).start()  # observe.live
+        sampler = telemetry.TelemetrySampler(source.reads_from, tracker).start()
+        wait = source.describe_wait()
+        live_verdict = LiveVerdict(sampler, rd.path, tracker, console=console, device=device,
+                                   wait=wait).start()  # observe.live
         try:
             procs.clear_recorded(rd.path)
             rd.rank_done.unlink()
@@ -74,7 +79,7 @@ def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, store_dir: Pat
             sampler.stop()
             procs.kill_recorded(rd.path)  # a rank that outlived torchrun (it should not) goes now
     rd.launch_file().unlink()
-    return Ranks(rc, time.perf_counter() - started, time.process_time() - launcher_cpu, sampler)
+    return Ranks(rc, time.perf_counter() - started, time.process_time() - launcher_cpu, sampler, wait)
 
 
 @contextmanager

@@ -165,7 +165,8 @@ def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[in
         tracker.log_artifact(checkpoint / f, "checkpoint")
     fpt = (bottleneck.draft_flops_per_token(json.loads((checkpoint / "config.json").read_text()),
                                            ttt_steps=params.train.ttt_steps) if device == "cuda" else None)
-    verdict = bottleneck.conclude(ranks.sampler, rd.path, tracker, flops_per_token=fpt, device=device)
+    verdict = bottleneck.conclude(ranks.sampler, rd.path, tracker, flops_per_token=fpt, device=device,
+                                  wait=ranks.wait)
     console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
     tokens_per_s = sum(step_tokens) / ranks.wall_s
     harness = run_timing.harness_cpu(rd.path, ranks.launcher_cpu_s, a.total_steps)
