@@ -37,7 +37,10 @@ def test_slow_data_source_is_called_data_bound(built, tmp_path, mlflow_store, mo
 
     params, target_dir, data_dir, store_dir = built
     raw = params.model_dump()
-    raw["train"].update({"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64,
+    # 3 epochs (about 12 steps of the tiny default): the slowed reads, which wait 4x the compute once a
+    # few gaps are known, outweigh step 0's one-off setup even when a loaded host stretches it (at 1
+    # epoch, 4 steps, one run on a host at load 8+ was called compute-bound)
+    raw["train"].update({"epochs": 3, "total_seq_len": 128, "draft_vocab_size": 64,
                          "num_workers": 0})  # reads in the rank, where the wait measures the compute
     p = parse_params(raw)
 
