@@ -9,6 +9,7 @@ The session's tiny target has one head of size 32, the smallest vLLM's CPU atten
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,21 +109,31 @@ def test_online_training_on_two_ranks_resumes_after_kill_9_and_its_draft_evaluat
     assert metrics["eval/measured_acc_len"] >= 1.0
 
 
-def test_dvc_repro_of_the_online_pipeline_trains_without_a_store(tmp_path):
-    """`dvc repro online/dvc.yaml` in a user's checkout: the root pipeline's target and prepare, then
-    train, evaluate and export online; no extract, no store; a second repro has nothing to do."""
-    from tests.checkout import checkout_copy, sh
+def test_dvc_repro_of_the_online_pipeline_trains_without_a_store(reproduced, tmp_path):
+    """`dvc repro online/dvc.yaml` in a user's checkout where `dvc repro` already ran (a copy of the
+    session's, tests/integration/conftest.py), with smaller train and evaluate params: the root
+    pipeline's target and prepare are up to date, train, evaluate and export run online; no store
+    read or made for them; a second repro has nothing to do."""
+    from draftlab.params import merge
+    from tests.checkout import COMMIT, copy_checkout, sh
 
-    root, env = checkout_copy(tmp_path / "repo", params={
-        "target": {"tiny": {"pretrain_steps": 40}},
-        "prepare": {"num_samples": 39, "max_seq_len": 96, "max_new_tokens": 24},
+    session_root, env, _ = reproduced
+    root = copy_checkout(session_root, tmp_path / "repo")
+    for made in (root / "data").iterdir():  # the offline store, its work folder and check: online needs none
+        if made.name != "prepared":
+            shutil.rmtree(made) if made.is_dir() else made.unlink()
+    raw = merge(yaml.safe_load((root / "params.yaml").read_text()), {
         "train": {"epochs": 1, "total_seq_len": 128, "draft_vocab_size": 64},
         "evaluate": {"num_prompts": 2, "max_new_tokens": 8}})
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    sh([*COMMIT, "smaller online run", "params.yaml"], root, env)
     env = dict(env, DRAFTLAB_TEST_MARK=str(tmp_path))
     done = sh(["dvc", "repro", "online/dvc.yaml"], root, env)
     ran = [line for line in done.stdout.splitlines() if line.startswith("Running stage")]
-    assert ran == ["Running stage 'target':", "Running stage 'prepare':", "Running stage 'online/dvc.yaml:train':",
-                   "Running stage 'online/dvc.yaml:evaluate':", "Running stage 'online/dvc.yaml:export':"]
+    assert "Stage 'target' didn't change, skipping" in done.stdout + done.stderr
+    assert "Stage 'prepare' didn't change, skipping" in done.stdout + done.stderr
+    assert ran == ["Running stage 'online/dvc.yaml:train':", "Running stage 'online/dvc.yaml:evaluate':",
+                   "Running stage 'online/dvc.yaml:export':"]
     assert sorted(p.name for p in (root / "data").iterdir()) == ["prepared"], "no store, no store check"
     metrics = json.loads((root / "reports" / "online" / "metrics.json").read_text())
     assert metrics["run_id"] == RunDir(root / "runs" / "train-online").train.read().run_id

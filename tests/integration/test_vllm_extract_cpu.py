@@ -74,8 +74,12 @@ def _ours(root: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    """A target and prepared data, the hf backend's store and the vLLM backend's (uninterrupted)."""
+def pipeline(tmp_path_factory, one_torch_thread):
+    """A target and prepared data, the hf backend's store and the vLLM backend's (uninterrupted).
+    Built on one torch thread (the module's, tests/conftest.py): the target is the seed's random
+    init and the data procedural (no pre-training, no regeneration), so the thread count changes
+    nothing they hold; the hf store is held to vLLM's within a bound, not to fixed bytes; and a
+    second thread on the loaded 2-core host only spins."""
     from draftlab.params import parse_params
     from draftlab.stages import extract, prepare, target
 
