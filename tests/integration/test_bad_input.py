@@ -206,7 +206,7 @@ def test_a_flipped_byte_stops_training_at_the_file(copy):
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "FAILED"
     assert "hs_0.safetensors" in store.recorded_bad(hs), "the loader recorded what it named"
-    status = " ".join(_sh(["dvc", "status"], root, env).stdout.split())
+    status = " ".join(_sh(["dvc", "status", "dvc.yaml"], root, env).stdout.split())
     assert "extract: changed outs:" in status and "data/hidden_states" in status, status  # the record is new there
     fix = _sh(_stage_cmd(root, "extract"), root, env)
     assert "re-extracting" in fix.stderr and "hs_0.safetensors: corrupt" in _flat(fix)
