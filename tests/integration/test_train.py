@@ -233,7 +233,7 @@ def test_step_limited_calibration_is_accounted_timed_marked_and_refused_by_expor
     assert train_json.torchrun_wall_s == pytest.approx(m["perf/torchrun_wall_s"], abs=0.01)
     assert 0 < train_json.torchrun_wall_s < train_json.wall_clock_s
 
-    points, note = plan_inputs.measured_points(params, built[3])
+    points, note = plan_inputs.measured_points(params, built[3], built[1])
     assert set(points) == {1} and "(calibration," in points[1].source, note
     # the point reproduces its own run, to the run's end (closed just after timing/* was logged)
     closing = run.info.end_time / 1000 - m["timing/ended_at"]
