@@ -8,7 +8,7 @@
 # vLLM 0.32.0 built for x86 CPUs), the local CPU torch 2.13.0+cpu and the rest of its closure with
 # their sha256, without torchvision, torchaudio and torchcodec; it is installed with
 # --require-hashes --no-deps (by uv: scripts/lock-install.sh). A venv already installed from this
-# very lock is left as it is (its stamp holds the lock's sha256). Where vLLM's CPU build cannot run
+# very lock, its modules compiled, is left as it is (its stamp holds the lock's sha256). Where vLLM's CPU build cannot run
 # (no x86-64 CPU with AVX2) it prints one line and installs nothing: the tests that serve with vLLM
 # then skip with that reason.
 set -euo pipefail
@@ -26,7 +26,7 @@ if [ "$(uname -m)" != x86_64 ] || ! grep -qw avx2 /proc/cpuinfo 2>/dev/null; the
 fi
 
 want="$(sha256sum "$LOCK" | cut -d' ' -f1)"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ -e "$VENV/.draftlab-bytecode" ]; then
   echo "installed: vLLM already in $VENV (from $LOCK)"
   exit 0
 fi

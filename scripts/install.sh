@@ -29,6 +29,8 @@ locks=(requirements/cpu.txt)
 if [ "${1:-}" = "--test" ]; then locks+=(requirements/test.txt); fi
 scripts/lock-install.sh "$VENV" "${locks[@]}"
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
+# an editable install compiles nothing: draftlab's own modules too, once (see lock-install.sh)
+"$VENV/bin/python" -m compileall -q src >/dev/null
 
 # Fail here, not in the first stage, if the environment is broken.
 "$VENV/bin/python" - <<'PY'
