@@ -84,6 +84,32 @@ class RecordingTracker:
         self.calls.append((kind, payload))
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder that `make(folder)` fills once per test run, for the session fixtures that build
+    what many tests read (the tiny pipeline, a `dvc repro`). In one process: a tmp folder of this
+    session. Under pytest-xdist (`scripts/test.sh` runs the suite on one worker per CPU) the
+    workers' tmp folders share a parent: the first worker to ask makes it there under a file lock,
+    the others wait for it and read the same folder. A `make` that failed leaves no `.done` mark,
+    so the next worker to ask makes it afresh."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    import shutil
+
+    from filelock import FileLock
+
+    run = tmp_path_factory.getbasetemp().parent  # pytest-N/, above every worker's popen-gwK/
+    folder, done = run / f"shared-{name}", run / f"shared-{name}.done"
+    with FileLock(str(run / f"shared-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def migrated_mlflow_store(tmp_path_factory) -> Path:
     """One MLflow sqlite store, migrated once per session: a new store runs its schema migrations
