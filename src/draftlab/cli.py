@@ -167,11 +167,10 @@ def train(
         raw["train"].update({k: v for k, v in (("node_rank", node_rank), ("rdzv_endpoint", rdzv_endpoint))
                              if v is not None})
         p = parse_params(raw)
-    import psutil
-
     from draftlab.stages import train as stage
+    from draftlab.training.startup import process_start
 
-    started = psutil.Process().create_time()  # the cost model's start-up begins with this process
+    started = process_start()  # the cost model's start-up begins with this process
     stage.run(p, target_dir=target, data_dir=data, store_dir=store, out_dir=out, started_at=started)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 
 def _dataset(path, lengths):
     from datasets import Dataset
@@ -59,3 +61,18 @@ def test_the_first_step_of_a_resumed_folder_is_this_launch_s():
                {"rank": 0, "step": 7, "t": 90.0, "step_ms": 12}, {"rank": 1, "step": 7, "t": 89.0, "step_ms": 12}]
     assert startup.first_step_record(records, after=80.0)["step"] == 7
     assert startup.first_step_record(records)["step"] == 5
+
+
+def test_a_process_start_lies_between_its_spawn_and_its_first_line():
+    """The origin of `launcher_process` and `rank_imports` is the process's real start: not before
+    its parent spawned it (psutil's create_time() is up to a second early: boot time in whole
+    seconds) and not after the process ran."""
+    import subprocess
+    import sys
+
+    spawned = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; from draftlab.training.startup import process_start; "
+                          "print(process_start(), time.time())"], capture_output=True, text=True, check=True)
+    started, ran = map(float, out.stdout.split())
+    tick = 0.011  # the kernel records a start to 1/CLK_TCK (10 ms)
+    assert spawned - tick <= started <= ran

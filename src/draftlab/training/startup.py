@@ -51,10 +51,20 @@ class Clock:
 
 
 def process_start() -> float:
-    """This process's start (the OS's record, time.time()'s clock)."""
-    import psutil
+    """This process's start on time.time()'s clock, to the kernel's tick (10 ms): its start in ticks
+    after boot (/proc/self/stat) against the time since boot now (CLOCK_BOOTTIME). psutil's
+    create_time() adds those ticks to the boot time that /proc/stat gives in whole seconds, so it
+    is up to a second early: that second showed in `launcher_process` and `rank_imports` (and as a
+    negative `torchrun`) on every run of a host booted at 0.9 s past a whole second."""
+    import os
 
-    return psutil.Process().create_time()
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: the OS's record as psutil has it
+        import psutil
+
+        return psutil.Process().create_time()
 
 
 def rank_marks(main_at: float, speculators_at: float, trainer_at: float) -> dict[str, float]:
