@@ -5,8 +5,8 @@
 # The suite runs on one pytest-xdist worker per CPU, at most 4 (DRAFTLAB_TEST_WORKERS sets it;
 # `-n 0` among the args runs it in this process), each worker taking whole test files
 # (--dist loadfile: a file's module fixtures, its vLLM servers, start once). Most integration tests
-# hold one CPU (a stage, a server's start, one rank), so a second worker fills the other:
-# docs/quickstart.md has the tiers' times both ways.
+# hold one CPU (a stage, a server's start, one rank), so a second worker fills the other
+# (docs/quickstart.md has the tiers' times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh --test
