@@ -13,14 +13,15 @@ from draftlab.rundir import RankPlan
 PLAN = RankPlan(total_steps=30, epoch_steps=[10, 10, 10], val_steps=6)
 
 
-def timeline(step_s, boundary_s=3.0, per_epoch=10, epochs=3, jitter=0.0, seed=0):
-    """End time of every global step; an epoch boundary (validation + checkpoint) after each epoch."""
+def timeline(step_s, boundary_s=3.0, per_epoch=10, epochs=3, jitter=0.0, seed=0, first_boundary_extra=0.0):
+    """End time of every global step; an epoch boundary (validation + checkpoint) after each epoch,
+    the first one `first_boundary_extra` longer (its loader's workers start)."""
     rng, t, ends = random.Random(seed), 10.0, []
     for step in range(per_epoch * epochs):
         t += step_s(step) * (1 + rng.uniform(-jitter, jitter))
         ends.append(t)
         if step % per_epoch == per_epoch - 1:
-            t += boundary_s
+            t += boundary_s + (first_boundary_extra if step == per_epoch - 1 else 0.0)
     return ends, t  # t: the run's end, after the last validation + checkpoint
 
 
@@ -38,6 +39,18 @@ def test_eta_at_ten_percent_counts_the_epoch_boundaries_still_ahead():
     assert feed(Eta(PLAN), ends, 3)["perf/eta_s"] == pytest.approx(26 * 0.5 + 3 * 6 * 0.5 / 3)  # tail: one boundary
     # after the first boundary, its own measurement wins over the prior
     assert feed(Eta(PLAN.model_copy(update={"epoch_s_prior": 100.0})), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])
+
+
+def test_the_first_boundarys_one_offs_are_not_counted_again_for_every_epoch_ahead():
+    """The first validation starts its loader's workers (once): an ETA that charged every epoch
+    ahead with it said twice the time left at 10 % of a 12-epoch run on the tiny default."""
+    plan = RankPlan(total_steps=60, epoch_steps=[10] * 6, val_steps=6, epoch_s_prior=3.0)
+    ends, end = timeline(lambda s: 0.5, epochs=6, first_boundary_extra=10.0)
+    assert feed(Eta(plan), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])  # a matching run's boundary
+    got = feed(Eta(plan), ends, 12)
+    assert got["perf/eta_p10_s"] <= end - ends[12] <= got["perf/eta_p90_s"]
+    # from the second boundary on, the boundaries after the first, with or without a prior
+    assert feed(Eta(plan.model_copy(update={"epoch_s_prior": None})), ends, 22)["perf/eta_s"] == pytest.approx(end - ends[22])
 
 
 def test_eta_follows_a_rate_that_changes_and_its_range_holds_the_end():
