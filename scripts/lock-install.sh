@@ -44,8 +44,8 @@ if [ -n "${pip_cert:-}" ] && [ -z "${SSL_CERT_FILE:-}" ]; then export SSL_CERT_F
 # every source is trusted alike (the hashes decide): a pinned version is taken wherever it lies.
 # --compile-bytecode: pip writes every module's .pyc at install and uv does not; without them a
 # host that sets PYTHONDONTWRITEBYTECODE (this project's CI and dev VMs do) compiles every module
-# from source at every import, in every process: on the shared 2-core VM `import speculators` took
-# 9.1 s that way and 4.1 s compiled, `import mlflow` 2.8 s and 1.0 s (docs/figures.md).
+# from source at every import, in every process: on the shared 2-core VM `import speculators.train`
+# took 12.9 s that way and 5.1 s compiled (benchmarks/import_bytecode.py, docs/figures.md).
 "$UV" pip install --quiet --python "$VENV/bin/python" --require-hashes --no-deps --compile-bytecode \
   --index-strategy unsafe-best-match "${sources[@]}" "${locks[@]}"
 # a venv whose packages went in before they were compiled at install (uv installs nothing new

@@ -46,8 +46,8 @@ def test_the_first_boundarys_one_offs_are_not_counted_again_for_every_epoch_ahea
     ahead with it said twice the time left at 10 % of a 12-epoch run on the tiny default."""
     plan = RankPlan(total_steps=60, epoch_steps=[10] * 6, val_steps=6, epoch_s_prior=3.0)
     ends, end = timeline(lambda s: 0.5, epochs=6, first_boundary_extra=10.0)
-    assert feed(Eta(plan), ends, 12)["perf/eta_s"] == pytest.approx(end - ends[12])  # a matching run's boundary
     got = feed(Eta(plan), ends, 12)
+    assert got["perf/eta_s"] == pytest.approx(end - ends[12])  # a matching run's boundary
     assert got["perf/eta_p10_s"] <= end - ends[12] <= got["perf/eta_p90_s"]
     # from the second boundary on, the boundaries after the first, with or without a prior
     assert feed(Eta(plan.model_copy(update={"epoch_s_prior": None})), ends, 22)["perf/eta_s"] == pytest.approx(end - ends[22])
