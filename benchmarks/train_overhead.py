@@ -520,7 +520,8 @@ def bench(args, tmp: Path, env: dict) -> None:
         pair["harness_cpu_ms_per_step"] = 1000 * runs["full"]["harness_cpu"]["per_step_s"]
         hc = runs["full"]["harness_cpu"]
         pair["harness_cpu_ms_per_step_by_thread"] = {
-            "launcher process": 1000 * hc["launcher_s"] / total_steps,
+            "launcher process": 1000 * (hc["launcher_s"] - hc.get("launcher_relay_s", 0.0)) / total_steps,
+            "launcher relay thread": 1000 * hc.get("launcher_relay_s", 0.0) / total_steps,
             **{f"rank 0 {k}": 1000 * v / total_steps for k, v in hc["rank0"].items()}}
         pair["startup_ratio"] = f["startup_s"] / b["startup_s"]
         pair["startup_phases"] = {kind: run.get("startup") for kind, run in runs.items()}
@@ -569,7 +570,8 @@ def bench(args, tmp: Path, env: dict) -> None:
     threads = list(dict.fromkeys(k for p in pairs for k in p["harness_cpu_ms_per_step_by_thread"]))
     print("harness CPU per step by thread, median ms (spread): " + "; ".join(
         f"{k} {_fmt(spread([p['harness_cpu_ms_per_step_by_thread'].get(k, 0.0) for p in pairs]), 2)}"
-        for k in threads) + " (rank 0's handlers run on the trainer's thread; tracking_thread is the MLflow writer)")
+        for k in threads) + " (rank 0's handlers run on the trainer's thread; its tracking_thread writes the relay file, "
+        "which the launcher's relay thread uploads to MLflow)")
     if all("torchrun_ratio" in p for p in pairs):
         print(f"RESULT split: torchrun alone (bare trainer under torchrun: gloo process group, DDP) tokens/s "
               f"torchrun/bare {_fmt(spread([p['torchrun_ratio'] for p in pairs]))}; draftlab's own part full/torchrun "

@@ -20,6 +20,8 @@ pydantic model here, and its name is known only here:
     <run>/progress.json             Progress       rank 0 → `draftlab status`, the live verdict: step, ETA, trend
     <run>/train.json                TrainRecord    train → evaluate, export, sweep trials
     <run>/tracking-spool.jsonl      SpoolRecord    MLflow calls kept during an outage → tracking-import
+    <run>/tracking-relay.jsonl      SpoolRecord    rank 0's MLflow records → node 0's launcher (tracking.Relay)
+    <run>/tracking-relay.sent       (offset)       how far the launcher has uploaded the relay file
     <run>/samples/rank<r>.jsonl     (lines)        each rank's sampler → the launcher's sharding check
     <run>/profile/rank<r>.jsonl     (lines)        each rank's step profile → telemetry's verdict, timing
     <run>/pids/<name>.json          (procs)        each process's pid → stop_orphans after a kill
@@ -247,6 +249,7 @@ class RankPlan(Record):
     verify_reads: Literal["sha256", "header"] = "sha256"
     warmup_steps: int = Field(0, description="train.warmup_steps: the convergence watch's early window starts here")
     watch: dict[str, Any] | None = Field(None, description="train.watch (draftlab.training.watch); null: no watch")
+    experiment_id: str | None = Field(None, description="the MLflow run's experiment (progress.json's UI link)")
 
 
 class EpochRecord(Record):
@@ -477,6 +480,30 @@ def read_spool(path: Path) -> list[SpoolRecord]:
     return records
 
 
+def read_relay(path: Path, offset: int) -> tuple[list[SpoolRecord], int]:
+    """The complete records of a relay file (tracking.Relay) after byte `offset`, and the offset
+    after the last of them; a partial last line (a rank writing it now, or killed mid-write) is
+    left for later. A malformed line is one RunFileError naming it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], 0
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(_SPOOL.validate_json(line))
+        except ValidationError as err:
+            raise RunFileError(f"{path}: a malformed record after byte {offset} ({_problem(err)}); upload the file "
+                               f"with `draftlab tracking-import {path}` once that line is fixed") from None
+    return records, offset + end
+
+
 def _under(path: Path, folder: Path) -> bool:
     try:
         path.resolve().relative_to(folder.resolve())
@@ -498,6 +525,8 @@ class RunDir(_Folder):
     rank_done = _file("rank0-done.json", RankDone, f"{TRAIN}: rank 0 rewrites it")
     train = _file("train.json", TrainRecord, f"{TRAIN}: it rewrites this record")
     spool_path = _path("tracking-spool.jsonl", "MLflow calls kept while the store is unreachable (SpoolRecord)")
+    relay_path = _path("tracking-relay.jsonl", "rank 0's MLflow records, which node 0's launcher uploads (tracking.Relay)")
+    relay_sent_path = _path("tracking-relay.sent", "the relay file's bytes the launcher has uploaded (tracking.Relay)")
     checkpoints = _path("checkpoints")
     logs = _path("logs")
     samples_dir = _path("samples", "each rank's `rank<r>.jsonl`: the sample ids its train sampler handed out")

@@ -215,3 +215,82 @@ def test_a_tracker_that_never_lost_the_server_says_nothing(monkeypatch, store_ur
     tracker = MlflowTracker(run_id, spool=None)
     tracker.end("FAILED")
     assert tracker.spool_line("evaluate") is None and client.get_run(run_id).info.status == "FAILED"
+
+
+def test_rank_0s_relay_reaches_the_run_once_and_a_new_launcher_uploads_only_the_rest(tmp_path, monkeypatch, store_uri):
+    """Rank 0 writes its records to the run folder's relay file and opens no store; the launcher
+    uploads them into its run, a torn last line waits for its end, a launcher started after a
+    kill uploads only what the killed one had not, and another run's records stay out."""
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from draftlab.rundir import RunDir
+    from draftlab.tracking import MlflowTracker, Relay, RelayWriter
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    client = mlflow.MlflowClient(store_uri)
+    exp = client.create_experiment("x")
+    run_id, other = (client.create_run(exp).info.run_id for _ in range(2))
+    rd = RunDir(tmp_path / "run")
+    writer = RelayWriter(rd.relay_path, run_id)
+    writer.log_metrics_many([({"train/loss": 4.0 - s}, s, 1000 + s) for s in range(3)])
+    writer.set_tags({"draftlab.convergence": "learning"})
+    RelayWriter(rd.relay_path, other).log_metrics({"train/loss": 9.0}, step=0)
+    with open(rd.relay_path, "a") as f:
+        f.write('{"run_id": "' + run_id + '", "kind": "metrics", "metr')  # a rank writing now
+
+    relay = Relay(rd.relay_path, rd.relay_sent_path, MlflowTracker(run_id))
+    assert relay.pump() == 4
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value, m.timestamp) for m in history) == [(s, 4.0 - s, 1000 + s) for s in range(3)]
+    assert client.get_run(run_id).data.tags["draftlab.convergence"] == "learning"
+    assert client.get_metric_history(other, "train/loss") == [], "another run's record went into this one"
+
+    writer = RelayWriter(rd.relay_path, run_id)  # a rank started after the kill: the torn line goes
+    writer.log_metrics({"train/loss": 1.0}, step=3)
+    writer.sync()
+    again = Relay(rd.relay_path, rd.relay_sent_path, MlflowTracker(run_id))  # the next launcher
+    assert again.pump() == 1
+    assert again.pump() == 0
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3], "a record uploaded twice, or lost"
+
+    # the rank's side costs it no MLflow import (about a second of CPU)
+    code = ("import sys; from draftlab.tracking import RelayWriter; from draftlab.training.rank import _Background; "
+            f"bg = _Background(RelayWriter({str(tmp_path / 'r.jsonl')!r}, 'x')); bg.log_metrics({{'a': 1.0}}, 0); "
+            "bg.drain(); bg.close(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_relay_thread_uploads_while_the_rank_writes_and_everything_at_its_stop(tmp_path, monkeypatch, store_uri):
+    import time
+
+    import mlflow
+
+    from draftlab.rundir import RunDir
+    from draftlab.tracking import MlflowTracker, Relay, RelayWriter
+    from draftlab.training.rank import _Background
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    client = mlflow.MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    rd = RunDir(tmp_path / "run")
+    relay = Relay(rd.relay_path, rd.relay_sent_path, MlflowTracker(run_id))
+    monkeypatch.setattr(Relay, "POLL_S", 0.05)
+    relay.start()
+    bg = _Background(RelayWriter(rd.relay_path, run_id))
+    bg.log_metrics({"train/loss": 2.0}, step=0)
+    bg.drain()  # before a checkpoint: on disk
+    deadline = time.monotonic() + 30
+    while not client.get_metric_history(run_id, "train/loss") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0], "not uploaded while running"
+    for step in range(1, 5):
+        bg.log_metrics({"train/loss": 2.0 - step / 10}, step=step)
+    bg.close()
+    relay.stop()
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(5))
+    assert relay.uploaded == 5 and rd.relay_sent_path.read_text() == str(rd.relay_path.stat().st_size)

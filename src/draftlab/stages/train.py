@@ -2,7 +2,8 @@
 
 Before step one it computes, with the trainer's own packing sampler, the exact global steps of
 every epoch, the drops and each rank's sample set; prints them; logs them to one MLflow run
-(started here, its id handed to the ranks as MLFLOW_RUN_ID); and hands speculators the exact
+(started here, its id handed to the ranks as MLFLOW_RUN_ID, rank 0's records uploaded from its
+relay file by this process); and hands speculators the exact
 total for its LR schedule. At the end it checks that the ranks did exactly that.
 
 Nothing is lost: the run folder survives DVC (persist), a rerun resumes speculators' last
@@ -81,6 +82,13 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         # open (or resume) the MLflow run
         run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)
         tracker = MlflowTracker(run_id, spool=rd.spool_path)
+        # rank 0's records reach the run through this process (tracking.Relay); a killed launch's
+        # that were not uploaded go now, before the resume asks the run for its last step
+        relay = tracking.Relay(rd.relay_path, rd.relay_sent_path, tracker)
+        if resumed:
+            relay.pump()
+        else:
+            relay.restart()
         clock.mark("mlflow_run")
         if resumed:
             record.resumed(tracker, rd, run_id, console)
@@ -93,7 +101,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         clock.mark("run_params")
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
-                                               manifest_sha=manifest_sha, device=device, resumed=resumed))
+                                               manifest_sha=manifest_sha, device=device, resumed=resumed,
+                                               experiment_id=tracking.experiment_of(tracker.client, run_id)))
         clock.mark("rank_plan")
         vocab_mappings(params, target_dir, data_dir, out_dir)
         clock.mark("vocab")
@@ -102,8 +111,12 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
                                     layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
             rd.command.write(Command(cmd=cmd))
-            ranks = launch.run_ranks(cmd, env, rd, source=live, tracker=tracker, run_id=run_id,
-                                     console=console, device=device, clock=clock)
+            relay.start()
+            try:
+                ranks = launch.run_ranks(cmd, env, rd, source=live, tracker=tracker, run_id=run_id,
+                                         console=console, device=device, clock=clock)
+            finally:
+                relay.stop()  # on every exit: what rank 0 wrote is in the run (or the spool)
         # check what the ranks did, then record it
         if ranks.rc != 0:
             raise record.failed(rd, ranks.rc, tracker, run_id, console)
@@ -111,6 +124,9 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             from draftlab.training.nodes import wait_for_writer
 
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
+            relay.pump()  # and still writing
+            relay.stop()
         record.check_accounting(rd, a, tracker, console)
         return record.finished(rd, params, a, step_tokens, ranks, tracker, run_id=run_id, device=device,
-                               resumed=resumed, started_at=started_at, console=console, clock=clock)
+                               resumed=resumed, started_at=started_at, console=console, clock=clock,
+                               relay_cpu_s=relay.cpu_s)

@@ -7,9 +7,11 @@ whose rank plan (draftlab.rundir.RankPlan) says the rest.
 Observers (rank-local, no effect on what the trainer computes):
 - every rank appends the sample ids its train sampler hands out per epoch to
   the run folder (RunDir.samples_file) — the launcher checks them disjoint and complete;
-- global rank 0, on whichever node it runs, logs speculators' metric records into the MLflow run
-  node 0's launcher opened (its id read from the shared run folder's run.json) with perf/* figures
-  derived from the step accounting and skips steps already logged before a resume; it also appends
+- global rank 0, on whichever node it runs, turns speculators' metric records into the MLflow run's
+  (its id read from the shared run folder's run.json), with perf/* figures derived from the step
+  accounting, skipping steps already logged before a resume; it writes them to the run folder's
+  relay file, which node 0's launcher uploads into the run (draftlab.tracking.Relay: the rank
+  imports no MLflow and opens no store); it also appends
   each step's train/* metrics to `$DRAFTLAB_RUN_DIR/metrics.jsonl` once (draftlab.training.metrics)
   and keeps `progress.json` (step, ETA, trend) for `draftlab status`;
 - every rank runs the convergence watch (draftlab.training.watch) on the same all-reduced metrics:
@@ -41,16 +43,16 @@ class _Tags:
 
 
 class _Background:
-    """Sends the rank's metric records from one worker thread, batched: at most one store write
-    per FLUSH_S, each record keeping the time it was made. A synchronous sqlite write per step
-    cost ~20 ms of the step (in speculators' fetch time); one background write per step still
-    cost 8–9 ms of CPU per step (run_timing.harness_cpu's tracking_thread), taken from the
-    trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu): where
-    the trainer keeps every CPU busy its records wait for the next checkpoint's drain or the end.
+    """Sends the rank's metric records from one worker thread, batched: at most one write per
+    FLUSH_S, each record keeping the time it was made. Rank 0's tracker is the relay file
+    (tracking.RelayWriter); when it wrote to MLflow itself, a synchronous sqlite write per step
+    cost ~20 ms of the step, and one background write per step 8–9 ms of CPU per step, taken
+    from the trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu):
+    where the trainer keeps every CPU busy its records wait for the next checkpoint's drain
+    (which syncs them to disk) or the end.
 
-    `tracker` may be a function that makes the tracker: the thread calls it first, so that
-    importing MLflow and opening its store overlap the trainer's own start instead of delaying
-    it (training.startup's rank_observers); an error there is raised by drain() and close()."""
+    `tracker` may be a function that makes the tracker: the thread calls it first (an error
+    there is raised by drain() and close())."""
 
     FLUSH_S = 1.0
 
@@ -105,6 +107,8 @@ class _Background:
                     if pending:
                         self._send(pending)
                         pending, last = [], time.monotonic()
+                    if hasattr(self.tracker, "sync"):
+                        self.tracker.sync()  # the relay file: on disk before the checkpoint
                     item.set()
                     continue
                 else:
@@ -115,6 +119,8 @@ class _Background:
                 self._send(pending)
                 pending, last = [], time.monotonic()
         self.cpu_s = time.thread_time() - self.setup_cpu_s  # the writes: the harness's per-step tracking cost
+        if hasattr(self.tracker, "close"):
+            self.tracker.close()
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
@@ -374,14 +380,11 @@ def main(argv: list[str]) -> None:
         state = RunDir(run_dir).run.read_or_none() if rank == 0 else None
         run_id = state.run_id if state is not None else os.environ.get("MLFLOW_RUN_ID")
         if rank == 0 and run_id:
-            def make_tracker():  # in the tracking thread: MLflow's import overlaps the trainer's start
-                from draftlab.tracking import MlflowTracker
+            from draftlab.tracking import RelayWriter
 
-                tracker = MlflowTracker(run_id, spool=RunDir(run_dir).spool_path)
-                metrics.experiment_id = _experiment_id(tracker, run_id)
-                return tracker
-
-            metrics = MetricsToTracker(make_tracker, plan, run_dir)
+            # the records go to the run folder's relay file; node 0's launcher uploads them (tracking.Relay)
+            metrics = MetricsToTracker(RelayWriter(RunDir(run_dir).relay_path, run_id), plan, run_dir)
+            metrics.experiment_id = plan.experiment_id
             metrics.guard = guard
             if guard is not None:
                 guard.tags = metrics.tracker.set_tags
@@ -429,14 +432,6 @@ def main(argv: list[str]) -> None:
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
                                                  startup=marks))
-
-
-def _experiment_id(tracker, run_id: str) -> str | None:
-    """The run's experiment (for the UI link `draftlab status` prints); None if the store is down."""
-    try:
-        return tracker.client.get_run(run_id).info.experiment_id
-    except Exception:  # noqa: BLE001 — an outage: status prints the run id alone
-        return None
 
 
 def _cmdline(proc) -> list[str]:

@@ -65,7 +65,7 @@ def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
 
 
 def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data_dir: Path, run_id: str,
-              manifest_sha: str, device: str, resumed: bool = True) -> RankPlan:
+              manifest_sha: str, device: str, resumed: bool = True, experiment_id: str | None = None) -> RankPlan:
     """What the ranks read of the launcher (plan.json): the steps and tokens, the ETA's priors, settings.
     `resumed`: False for a run just created, which has logged no step (its store is not asked)."""
     from draftlab import tracking
@@ -78,7 +78,8 @@ def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data
         epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
         val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
         optimizer={"adamw": "AdamW", "muon": "Muon"}[t.optimizer],
-        verify_reads=t.verify_reads, warmup_steps=t.warmup_steps, watch=t.watch.model_dump())
+        verify_reads=t.verify_reads, warmup_steps=t.warmup_steps, watch=t.watch.model_dump(),
+        experiment_id=experiment_id)
 
 
 def planned(rd: RunDir, a: acc.Accounting, plan: RankPlan) -> None:
@@ -152,7 +153,8 @@ def _startup(rd: RunDir, clock, tracker, console) -> dict | None:
 
 
 def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[int], ranks, tracker, *,
-             run_id: str, device: str, resumed: bool, started_at: float, console, clock=None) -> TrainResult:
+             run_id: str, device: str, resumed: bool, started_at: float, console, clock=None,
+             relay_cpu_s: float = 0.0) -> TrainResult:
     """The checkpoint, the bottleneck verdict, the timing and train.json; the MLflow run FINISHED."""
     from draftlab.observe import bottleneck
 
@@ -169,7 +171,7 @@ def finished(rd: RunDir, params: Params, a: acc.Accounting, step_tokens: list[in
                                   wait=ranks.wait)
     console.print(f"[bold]bottleneck[/]: {verdict.overall.line()}")
     tokens_per_s = sum(step_tokens) / ranks.wall_s
-    harness = run_timing.harness_cpu(rd.path, ranks.launcher_cpu_s, a.total_steps)
+    harness = run_timing.harness_cpu(rd.path, ranks.launcher_cpu_s, a.total_steps, relay_s=relay_cpu_s)
     tracker.log_metrics({"perf/harness_cpu_s_per_step": harness["per_step_s"]})
     phases = _startup(rd, clock, tracker, console)
     ended = time.time()
