@@ -14,6 +14,7 @@ rerun or the sweep's reaper can stop them by pid (`kill_recorded`), not only by 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -137,11 +138,29 @@ def run_group(cmd: list[str], *, env: dict | None = None, on_start=None) -> int:
     proc = spawn(cmd, env=env)
     if on_start is not None:
         on_start(proc)
+    return wait_group(proc)
+
+
+def wait_group(proc: subprocess.Popen) -> int:
+    """Wait for a process `spawn` started in a group of its own; Ctrl-C sends the whole group
+    SIGTERM and waits for it. Returns the exit code."""
     try:
         return proc.wait()
     except KeyboardInterrupt:
         os.killpg(proc.pid, signal.SIGTERM)
         return proc.wait()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to the group of a process `spawn` started, SIGKILL after `grace_s`; waits for it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # ---------------------------------------------------------------- pids recorded in a run folder

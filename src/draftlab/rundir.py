@@ -225,6 +225,7 @@ class StoreDir(_Folder):
 class RunState(Record):
     key: str
     run_id: str
+    experiment_id: str | None = Field(None, description="the run's experiment (progress.json's UI link)")
 
 
 class Launch(Record):
@@ -249,7 +250,6 @@ class RankPlan(Record):
     verify_reads: Literal["sha256", "header"] = "sha256"
     warmup_steps: int = Field(0, description="train.warmup_steps: the convergence watch's early window starts here")
     watch: dict[str, Any] | None = Field(None, description="train.watch (draftlab.training.watch); null: no watch")
-    experiment_id: str | None = Field(None, description="the MLflow run's experiment (progress.json's UI link)")
 
 
 class EpochRecord(Record):

@@ -309,9 +309,13 @@ class Relay:
     def restart(self) -> None:
         """A new MLflow run in this folder: its relay starts empty (the records of the run that
         was are left to it)."""
-        self.path.unlink(missing_ok=True)
-        self.sent_path.unlink(missing_ok=True)
+        self.clear(self.path, self.sent_path)
         self.offset = 0
+
+    @staticmethod
+    def clear(path: Path, sent_path: Path) -> None:
+        Path(path).unlink(missing_ok=True)
+        Path(sent_path).unlink(missing_ok=True)
 
     def pump(self) -> int:
         """Upload what was appended since the last pump; returns how many records went."""
@@ -375,14 +379,6 @@ class Relay:
             MlflowTracker._say(f"rank 0's records after byte {self.offset} of {self.path} were not uploaded "
                                f"({self.error}); upload them with `draftlab tracking-import {self.path}`")
             self.error = None
-
-
-def experiment_of(mlflow_client, run_id: str) -> str | None:
-    """The run's experiment (for the UI link `draftlab status` prints); None if the store is down."""
-    try:
-        return mlflow_client.get_run(run_id).info.experiment_id
-    except Exception:  # noqa: BLE001 — an outage: status prints the run id alone
-        return None
 
 
 def replay_spool(spool: Path, *, replay_registry=None) -> int:
@@ -495,14 +491,16 @@ def open_run(state, key: str, console, tags: dict[str, str] | None = None,
     prev = state.read_or_none()
     if prev is not None and prev.key == key:
         try:
-            mlflow_client.get_run(prev.run_id)
+            run = mlflow_client.get_run(prev.run_id)
+            if prev.experiment_id is None:  # a folder from before run.json named it
+                state.write(RunState(key=key, run_id=prev.run_id, experiment_id=run.info.experiment_id))
             return prev.run_id, True
         except Exception:  # noqa: BLE001 — deleted or unreachable: start a new run
             console.print(f"[yellow]{stage}[/]: MLflow run {prev.run_id} not found; starting a new one")
     tags = dict(tags or {})
     name = tags.pop("mlflow.runName", None) or run_name(stage)
     run = mlflow_client.create_run(experiment_id(mlflow_client), tags=tags, run_name=name)
-    state.write(RunState(key=key, run_id=run.info.run_id))
+    state.write(RunState(key=key, run_id=run.info.run_id, experiment_id=run.info.experiment_id))
     return run.info.run_id, False
 
 

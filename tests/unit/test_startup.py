@@ -43,7 +43,7 @@ def test_the_phases_add_up_to_the_time_to_the_first_step():
     from draftlab.training import startup
 
     clock = startup.Clock(process_start=100.0, called_at=100.5)
-    clock.phases = {startup.LAUNCHER_PROCESS: 0.5, "preflight": 1.0, "mlflow_run": 2.0, "observers": 0.5}
+    clock.phases = {startup.LAUNCHER_PROCESS: 0.5, "preflight": 1.0, "mlflow_run": 2.0, "command": 0.5}
     clock.spawned_at = 104.0
     marks = {"process_start": 105.0, "main_at": 105.5, "speculators_at": 113.5, "trainer_at": 113.7}
     phases = startup.breakdown(clock, marks, {"t": 114.5, "step_ms": 300.0})
@@ -52,6 +52,26 @@ def test_the_phases_add_up_to_the_time_to_the_first_step():
     assert abs(sum(v for k, v in phases.items() if k != "total_s") - phases["total_s"]) < 1e-6
     assert startup.line(phases).startswith("14.5 s to step 0: rank_speculators 8.0, mlflow_run 2.0")
     assert startup.breakdown(clock, None, {"t": 114.5, "step_ms": 300.0}) is None  # a rank that left no marks
+
+
+def test_a_new_runs_mlflow_work_after_torchrun_is_beside_the_sum_and_said_apart(monkeypatch):
+    """A new run's MLflow run is made while the ranks start: its phases are `beside/…`, out of
+    the sum that is the time to the first step, and the line names them apart."""
+    from draftlab.training import startup
+
+    now = iter([101.0, 101.5, 104.0, 105.0])
+    monkeypatch.setattr(startup.time, "time", lambda: next(now))
+    clock = startup.Clock(process_start=100.0, called_at=100.5)
+    clock.mark("preflight")  # 101.0
+    clock.spawned()  # 101.5: the command
+    clock.mark("mlflow_run")  # 104.0, beside the ranks
+    clock.mark("run_params")  # 105.0
+    assert clock.phases == {"launcher_process": 0.5, "preflight": 0.5, "command": 0.5,
+                            "beside/mlflow_run": 2.5, "beside/run_params": 1.0}
+    marks = {"process_start": 102.0, "main_at": 102.5, "speculators_at": 107.5, "trainer_at": 107.6}
+    phases = startup.breakdown(clock, marks, {"t": 108.0, "step_ms": 200.0})
+    assert phases["total_s"] == 8.0 and abs(startup.in_sum(phases) - 8.0) < 1e-6
+    assert startup.line(phases).endswith("; beside the ranks' start: mlflow_run 2.5, run_params 1.0")
 
 
 def test_the_first_step_of_a_resumed_folder_is_this_launch_s():

@@ -2,8 +2,8 @@
 
 Before step one it computes, with the trainer's own packing sampler, the exact global steps of
 every epoch, the drops and each rank's sample set; prints them; logs them to one MLflow run
-(started here, its id handed to the ranks as MLFLOW_RUN_ID, rank 0's records uploaded from its
-relay file by this process); and hands speculators the exact
+(started here, a new one beside the ranks' start; its id in every rank's MLFLOW_RUN_ID, rank 0's
+records uploaded from its relay file by this process); and hands speculators the exact
 total for its LR schedule. At the end it checks that the ranks did exactly that.
 
 Nothing is lost: the run folder survives DVC (persist), a rerun resumes speculators' last
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.params import Params
@@ -79,30 +80,44 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         checkpoint_files.set_aside_torn(rd.checkpoints, console)  # speculators resumes the newest complete one
         console.print(accounting_table(a, params))
         clock.mark("folder")
-        # open (or resume) the MLflow run
-        run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)
-        tracker = MlflowTracker(run_id, spool=rd.spool_path)
-        # rank 0's records reach the run through this process (tracking.Relay); a killed launch's
-        # that were not uploaded go now, before the resume asks the run for its last step
-        relay = tracking.Relay(rd.relay_path, rd.relay_sent_path, tracker)
-        if resumed:
-            relay.pump()
+
+        def open_tracking(late: bool = False) -> _Tracking:
+            """Open (or resume) the MLflow run, and log what the run starts with; `late`: torchrun
+            is started (rank 0 may write its relay file as soon as run.json is there)."""
+            run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)  # run.json: the ranks go on
+            tracker = MlflowTracker(run_id, spool=rd.spool_path)
+            # rank 0's records reach the run through this process (tracking.Relay); a killed launch's
+            # that were not uploaded go now, before the resume asks the run for its last step
+            relay = tracking.Relay(rd.relay_path, rd.relay_sent_path, tracker)
+            if resumed:
+                relay.pump()
+            elif not late:
+                relay.restart()  # a new run in a folder whose run is gone: its relay starts empty
+            clock.mark("mlflow_run")
+            if resumed:
+                record.resumed(tracker, rd, run_id, console)
+            else:
+                record.started(tracker, params, a, source=source, device=device, manifest_sha=manifest_sha)
+            # the data as MLflow datasets (again on a resume: adds nothing)
+            lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
+                                                                  train_ratio=params.data.train_ratio),
+                                         *lineage.source_datasets(source, context="training")])
+            clock.mark("run_params")
+            return _Tracking(run_id, resumed, tracker, relay)
+
+        # A new run's MLflow run is made once torchrun is started, beside the ranks' own start (its
+        # import and store are about a second of CPU; the ranks wait for run.json only if they get
+        # there first). A folder with a run (maybe a resume: the store says), or a job of several
+        # nodes (the others read run.json once node 0's rendezvous is open), opens it first.
+        early = None
+        if rd.run.exists() or params.train.nnodes > 1:
+            early = open_tracking()
         else:
-            relay.restart()
-        clock.mark("mlflow_run")
-        if resumed:
-            record.resumed(tracker, rd, run_id, console)
-        else:
-            record.started(tracker, params, a, source=source, device=device, manifest_sha=manifest_sha)
-        # the data as MLflow datasets (again on a resume: adds nothing)
-        lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
-                                                              train_ratio=params.data.train_ratio),
-                                     *lineage.source_datasets(source, context="training")])
-        clock.mark("run_params")
+            tracking.Relay.clear(rd.relay_path, rd.relay_sent_path)  # a new run's relay starts empty
+        run_id, resumed = (early.run_id, early.resumed) if early else (None, False)
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
-                                               manifest_sha=manifest_sha, device=device, resumed=resumed,
-                                               experiment_id=tracking.experiment_of(tracker.client, run_id)))
+                                               manifest_sha=manifest_sha, device=device, resumed=resumed))
         clock.mark("rank_plan")
         vocab_mappings(params, target_dir, data_dir, out_dir)
         clock.mark("vocab")
@@ -111,22 +126,29 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
                                     layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
             rd.command.write(Command(cmd=cmd))
-            relay.start()
-            try:
-                ranks = launch.run_ranks(cmd, env, rd, source=live, tracker=tracker, run_id=run_id,
-                                         console=console, device=device, clock=clock)
-            finally:
-                relay.stop()  # on every exit: what rank 0 wrote is in the run (or the spool)
+            ranks = launch.run_ranks(cmd, env, rd, source=live, open_tracking=(lambda: early) if early else (lambda: open_tracking(late=True)),
+                                     console=console, device=device, clock=clock)
+        t: _Tracking = ranks.tracking
         # check what the ranks did, then record it
         if ranks.rc != 0:
-            raise record.failed(rd, ranks.rc, tracker, run_id, console)
+            raise record.failed(rd, ranks.rc, t.tracker, t.run_id, console)
         if params.train.nnodes > 1:
             from draftlab.training.nodes import wait_for_writer
 
             wait_for_writer(rd, console)  # torch's rank 0 may be on another node, still saving
-            relay.pump()  # and still writing
-            relay.stop()
-        record.check_accounting(rd, a, tracker, console)
-        return record.finished(rd, params, a, step_tokens, ranks, tracker, run_id=run_id, device=device,
-                               resumed=resumed, started_at=started_at, console=console, clock=clock,
-                               relay_cpu_s=relay.cpu_s)
+            t.relay.pump()  # and still writing
+        record.check_accounting(rd, a, t.tracker, console)
+        return record.finished(rd, params, a, step_tokens, ranks, t.tracker, run_id=t.run_id, device=device,
+                               resumed=t.resumed, started_at=started_at, console=console, clock=clock,
+                               relay_cpu_s=t.relay.cpu_s)
+
+
+@dataclass
+class _Tracking:
+    """The training's MLflow run as the launcher holds it: its id, whether it was resumed, the
+    tracker, and the relay of rank 0's records."""
+
+    run_id: str
+    resumed: bool
+    tracker: object
+    relay: object

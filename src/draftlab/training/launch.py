@@ -40,46 +40,68 @@ def torchrun_cmd(params: Params, argv: list[str]) -> list[str]:
 @dataclass
 class Ranks:
     """How node 0's torchrun ended: its exit code, its wall and the launcher's CPU seconds, and
-    the telemetry sampler whose windows the bottleneck verdict reads, and what the source said its
-    loaders wait on (`HiddenStateSource.describe_wait`, for that verdict)."""
+    the telemetry sampler whose windows the bottleneck verdict reads, what the source said its
+    loaders wait on (`HiddenStateSource.describe_wait`, for that verdict), and the run's tracking
+    (what `open_tracking` returned)."""
 
     rc: int
     wall_s: float
     launcher_cpu_s: float
     sampler: object
     wait: object = None
+    tracking: object = None
 
 
-def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, source, tracker, run_id: str,
-              console, device: str, clock=None) -> Ranks:
+def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, source, open_tracking, console, device: str,
+              clock=None) -> Ranks:
     """Node 0's torchrun under its observers (MLflow's system metrics, draftlab's telemetry of the
-    disk `source` reads from and the live verdict, told what the source's loaders wait on),
-    recorded in the run folder (launch.json) while it runs; a rank that outlived it (it should
-    not) is stopped after. `clock` (training.startup.Clock) notes torchrun's start."""
+    disk `source` reads from and the live verdict, told what the source's loaders wait on, and the
+    relay of rank 0's records), recorded in the run folder (launch.json) while it runs; a rank that
+    outlived it (it should not) is stopped after. `clock` (training.startup.Clock) notes torchrun's start.
+
+    `open_tracking()` is called once torchrun is started, so that a new run's MLflow work (its
+    import, store, run, params) runs beside the ranks' own start, and returns the run's tracking
+    (stages/train.py: `.run_id`, `.tracker`, `.relay`); if it raises, the ranks are stopped and the
+    error goes on."""
     from draftlab import threads, tracking
     from draftlab.observe import telemetry
     from draftlab.observe.live import LiveVerdict
 
     started = time.perf_counter()
     launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
-    with tracking.system_metrics(run_id, interval_s=2):
-        threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
-        sampler = telemetry.TelemetrySampler(source.reads_from, tracker).start()
-        wait = source.describe_wait()
-        live_verdict = LiveVerdict(sampler, rd.path, tracker, console=console, device=device,
-                                   wait=wait).start()  # observe.live
-        try:
-            procs.clear_recorded(rd.path)
-            rd.rank_done.unlink()
+    procs.clear_recorded(rd.path)
+    rd.rank_done.unlink()
+    if clock is not None:
+        clock.spawned()
+    proc = procs.spawn(cmd, env=env)
+    rd.launch_file().write(Launch(pgid=proc.pid))
+    try:
+        opened = open_tracking()
+    except BaseException:
+        procs.stop_group(proc, TERM_GRACE_S)
+        procs.kill_recorded(rd.path)
+        rd.launch_file().unlink()
+        raise
+    opened.relay.start()
+    try:
+        with tracking.system_metrics(opened.run_id, interval_s=2):
+            threads.yield_cpu_of("SystemMetricsMonitor")  # MLflow's sampler, started just now
+            sampler = telemetry.TelemetrySampler(source.reads_from, opened.tracker).start()
+            wait = source.describe_wait()
+            live_verdict = LiveVerdict(sampler, rd.path, opened.tracker, console=console, device=device,
+                                       wait=wait).start()  # observe.live
             if clock is not None:
-                clock.spawned()
-            rc = procs.run_group(cmd, env=env, on_start=lambda p: rd.launch_file().write(Launch(pgid=p.pid)))
-        finally:
-            live_verdict.stop()
-            sampler.stop()
-            procs.kill_recorded(rd.path)  # a rank that outlived torchrun (it should not) goes now
+                clock.mark("observers")
+            try:
+                rc = procs.wait_group(proc)
+            finally:
+                live_verdict.stop()
+                sampler.stop()
+                procs.kill_recorded(rd.path)  # a rank that outlived torchrun (it should not) goes now
+    finally:
+        opened.relay.stop()  # on every exit: what rank 0 wrote is in the run (or the spool)
     rd.launch_file().unlink()
-    return Ranks(rc, time.perf_counter() - started, time.process_time() - launcher_cpu, sampler, wait)
+    return Ranks(rc, time.perf_counter() - started, time.process_time() - launcher_cpu, sampler, wait, opened)
 
 
 @contextmanager

@@ -377,14 +377,15 @@ def main(argv: list[str]) -> None:
         if guard is not None:
             handlers.append(CpuTimed(guard))  # before the tracker's: a NaN step is not logged
             compat.refuse_non_finite_checkpoint(guard.refuse_checkpoint)
-        state = RunDir(run_dir).run.read_or_none() if rank == 0 else None
-        run_id = state.run_id if state is not None else os.environ.get("MLFLOW_RUN_ID")
-        if rank == 0 and run_id:
+        state = await_run(RunDir(run_dir))
+        run_id = state.run_id
+        os.environ.setdefault("MLFLOW_RUN_ID", run_id)  # the run's id in every rank's environment
+        if rank == 0:
             from draftlab.tracking import RelayWriter
 
             # the records go to the run folder's relay file; node 0's launcher uploads them (tracking.Relay)
             metrics = MetricsToTracker(RelayWriter(RunDir(run_dir).relay_path, run_id), plan, run_dir)
-            metrics.experiment_id = plan.experiment_id
+            metrics.experiment_id = state.experiment_id
             metrics.guard = guard
             if guard is not None:
                 guard.tags = metrics.tracker.set_tags
@@ -432,6 +433,16 @@ def main(argv: list[str]) -> None:
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
                                                  startup=marks))
+
+
+def await_run(rd: RunDir, poll_s: float = 0.02):
+    """The run folder's run.json (RunState): node 0's launcher writes it once the MLflow run
+    exists, which for a new run is while torchrun and the ranks start (stages/train.py), so a
+    rank may come here first and wait. A launcher that fails to make the run stops the ranks;
+    one that dies takes them with it (procs.die_with_parent)."""
+    while (state := rd.run.read_or_none()) is None:
+        time.sleep(poll_s)
+    return state
 
 
 def _cmdline(proc) -> list[str]:

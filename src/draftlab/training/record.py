@@ -64,8 +64,8 @@ def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
                       f"from MLflow run {run_id}")
 
 
-def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data_dir: Path, run_id: str,
-              manifest_sha: str, device: str, resumed: bool = True, experiment_id: str | None = None) -> RankPlan:
+def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data_dir: Path, run_id: str | None,
+              manifest_sha: str, device: str, resumed: bool = True) -> RankPlan:
     """What the ranks read of the launcher (plan.json): the steps and tokens, the ETA's priors, settings.
     `resumed`: False for a run just created, which has logged no step (its store is not asked)."""
     from draftlab import tracking
@@ -78,8 +78,7 @@ def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data
         epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
         val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
         optimizer={"adamw": "AdamW", "muon": "Muon"}[t.optimizer],
-        verify_reads=t.verify_reads, warmup_steps=t.warmup_steps, watch=t.watch.model_dump(),
-        experiment_id=experiment_id)
+        verify_reads=t.verify_reads, warmup_steps=t.warmup_steps, watch=t.watch.model_dump())
 
 
 def planned(rd: RunDir, a: acc.Accounting, plan: RankPlan) -> None:

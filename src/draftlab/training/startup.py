@@ -11,13 +11,18 @@ the time from the launcher's process start to the end of step 0 (train.json `sta
     launcher_process   the interpreter, the CLI's imports, params (process start to the stage's call)
     <launcher phases>  preflight, plan, folder, mlflow_run (MLflow's import, its store, the run),
                        run_params (params, tags, datasets), rank_plan, vocab, source (online: draftlab's
-                       vLLM server started and healthy; a store: nothing), observers (stages/train.py)
+                       vLLM server started and healthy; a store: nothing), command (stages/train.py)
     torchrun           torchrun's start to rank 0's process start (its imports, the rendezvous)
     rank_imports       rank 0's interpreter and the modules it imports before main()
     rank_speculators   `import speculators` (its models, transformers): the bare trainer pays it too
     rank_observers     draftlab's observers in the rank (sample records, the MLflow tracker)
     trainer_setup      speculators' trainer to the start of step 0 (model, optimizer, loaders)
     first_step         step 0 itself (its step_ms: the first batch's fetch included)
+
+A new run's MLflow work (mlflow_run, run_params) and the launcher's observers (MLflow's system
+metrics, the telemetry sampler) run after torchrun is started, beside the ranks' own start: they
+are `beside/<phase>`, not in the sum (a rank waits for the run only if it gets there first:
+that wait is in its rank_observers). A resumed folder's run is opened before, in the sum.
 
 `benchmarks/train_overhead.py` records the same rank marks for the bare trainer and prints both.
 """
@@ -30,8 +35,12 @@ LAUNCHER_PROCESS = "launcher_process"
 RANK_PHASES = ("torchrun", "rank_imports", "rank_speculators", "rank_observers", "trainer_setup", "first_step")
 
 
+BESIDE = "beside/"  # a launcher phase after torchrun's start: beside the ranks', not in the sum
+
+
 class Clock:
-    """The launcher's phases: `mark(name)` ends the phase that began at the previous mark."""
+    """The launcher's phases: `mark(name)` ends the phase that began at the previous mark; after
+    `spawned()`, as `beside/<name>`."""
 
     def __init__(self, process_start: float, called_at: float | None = None):
         self.process_start = process_start
@@ -41,12 +50,14 @@ class Clock:
 
     def mark(self, name: str) -> None:
         now = time.time()
+        if self.spawned_at is not None:
+            name = BESIDE + name
         self.phases[name] = self.phases.get(name, 0.0) + (now - self.last)
         self.last = now
 
     def spawned(self) -> None:
-        """torchrun was started just now: what follows is the ranks'."""
-        self.mark("observers")
+        """torchrun was started just now: what follows is the ranks' (and the launcher's, beside them)."""
+        self.mark("command")
         self.spawned_at = self.last
 
 
@@ -110,6 +121,15 @@ def first_step_record(records: list[dict], after: float | None = None, rank: int
 
 
 def line(phases: dict[str, float]) -> str:
-    """One line: every phase in seconds, largest first, and the total."""
-    parts = sorted(((k, v) for k, v in phases.items() if k != "total_s"), key=lambda kv: -kv[1])
-    return f"{phases['total_s']:.1f} s to step 0: " + ", ".join(f"{k} {v:.1f}" for k, v in parts)
+    """One line: every phase in seconds, largest first, and the total; then the launcher's beside
+    the ranks' start."""
+    parts = sorted(((k, v) for k, v in phases.items() if k != "total_s" and not k.startswith(BESIDE)),
+                   key=lambda kv: -kv[1])
+    beside = sorted(((k[len(BESIDE):], v) for k, v in phases.items() if k.startswith(BESIDE)), key=lambda kv: -kv[1])
+    text = f"{phases['total_s']:.1f} s to step 0: " + ", ".join(f"{k} {v:.1f}" for k, v in parts)
+    return text + ("; beside the ranks' start: " + ", ".join(f"{k} {v:.1f}" for k, v in beside) if beside else "")
+
+
+def in_sum(phases: dict[str, float]) -> float:
+    """The phases that add up to `total_s` (not the launcher's beside the ranks')."""
+    return sum(v for k, v in phases.items() if k != "total_s" and not k.startswith(BESIDE))
