@@ -63,7 +63,9 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
     # sessions of their own; they must go by themselves)
     from tests.conftest import descendants, train_ranks_of
 
-    _wait(lambda: train_ranks_of(victim / "train"), 120, "the victim's ranks")
+    # its ranks run, and its MLflow run exists (a new run's is made once torchrun is started)
+    _wait(lambda: train_ranks_of(victim / "train") and TrialDir(victim).train.run.exists(), 120,
+          "the victim's ranks and MLflow run")
     tree = [first.pid] + sorted(pid for pid, cmd in descendants(first.pid).items() if "draftlab.training.rank" not in cmd)
     for pid in tree:
         try:
@@ -120,6 +122,11 @@ def test_sweep_kill9_resume_nested_runs_and_budget(built, tmp_path):
             assert t.user_attrs.get("run_id") == state.run_id, t.number
     assert killed.user_attrs.get("run_id") or TrialDir(victim).train.run.peek() is None
     assert summary["trials"]["completed"] >= 1 and summary["trials"]["calibration"] == 1
+    # a search trial's ETA starts from the calibration's measured epoch: the priors a new run's
+    # launcher asks MLflow for once the trial's torchrun is started reach its ranks' plan.json
+    search = [t for t in trials if t.state.name == "COMPLETE"]
+    plans = [TrialDir(tmp_path / t.user_attrs["trial_dir"]).train.plan.read() for t in search]
+    assert plans and all(p.epoch_s_prior is not None for p in plans), [p.epoch_s_prior for p in plans]
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("draftlab")

@@ -83,7 +83,11 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
 
         def open_tracking(late: bool = False) -> _Tracking:
             """Open (or resume) the MLflow run, and log what the run starts with; `late`: torchrun
-            is started (rank 0 may write its relay file as soon as run.json is there)."""
+            is started (the ranks read plan.json, and rank 0 writes its relay file, as soon as
+            run.json is there), so the ETA's priors from earlier runs go into plan.json first."""
+            if late:
+                record.with_priors(rd, params, manifest_sha, device)
+                clock.mark("rank_plan")
             run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)  # run.json: the ranks go on
             tracker = MlflowTracker(run_id, spool=rd.spool_path)
             # rank 0's records reach the run through this process (tracking.Relay); a killed launch's
@@ -117,7 +121,8 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         run_id, resumed = (early.run_id, early.resumed) if early else (None, False)
         # launch: the run folder the ranks read, then torchrun under its observers
         record.planned(rd, a, record.rank_plan(params, a, step_tokens, data_dir=data_dir, run_id=run_id,
-                                               manifest_sha=manifest_sha, device=device, resumed=resumed))
+                                               manifest_sha=manifest_sha, device=device, resumed=resumed,
+                                               priors=early is not None))
         clock.mark("rank_plan")
         vocab_mappings(params, target_dir, data_dir, out_dir)
         clock.mark("vocab")

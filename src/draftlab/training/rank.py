@@ -363,6 +363,8 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     node = int(os.environ.get("DRAFTLAB_NODE_RANK", "0"))  # train.node_rank: c10d's RANK order ignores it
     handlers = []
+    # run.json first: a new run's launcher completes plan.json (the ETA's priors) before it
+    state = await_run(RunDir(run_dir)) if run_dir is not None else None
     plan = RunDir(run_dir).plan.read() if run_dir is not None else None
     from draftlab.training import checkpoint
 
@@ -377,7 +379,6 @@ def main(argv: list[str]) -> None:
         if guard is not None:
             handlers.append(CpuTimed(guard))  # before the tracker's: a NaN step is not logged
             compat.refuse_non_finite_checkpoint(guard.refuse_checkpoint)
-        state = await_run(RunDir(run_dir))
         run_id = state.run_id
         os.environ.setdefault("MLFLOW_RUN_ID", run_id)  # the run's id in every rank's environment
         if rank == 0:
@@ -390,8 +391,9 @@ def main(argv: list[str]) -> None:
             if guard is not None:
                 guard.tags = metrics.tracker.set_tags
             handlers.append(CpuTimed(metrics))
-            # every step up to a checkpoint is in the store before the checkpoint exists: a rank
-            # killed by SIGKILL (it dies with its launcher) loses only records of steps a resume redoes
+            # every step up to a checkpoint is on disk in the relay file before the checkpoint exists:
+            # a rank killed by SIGKILL (it dies with its launcher) loses only records of steps a resume
+            # redoes, and the next launcher uploads what its predecessor had not
             compat.before_checkpoint(metrics.tracker.drain)
     source = source_from_trainer_args(argv) if plan is not None else None
     if source is not None:

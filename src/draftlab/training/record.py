@@ -65,9 +65,11 @@ def _restore_step_metrics(rd: RunDir, run_id: str, console) -> None:
 
 
 def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data_dir: Path, run_id: str | None,
-              manifest_sha: str, device: str, resumed: bool = True) -> RankPlan:
+              manifest_sha: str, device: str, resumed: bool = True, priors: bool = True) -> RankPlan:
     """What the ranks read of the launcher (plan.json): the steps and tokens, the ETA's priors, settings.
-    `resumed`: False for a run just created, which has logged no step (its store is not asked)."""
+    `resumed`: False for a run just created, which has logged no step (its store is not asked).
+    `priors`: False leaves the ETA's priors from earlier runs out (`with_priors` adds them later:
+    they are MLflow's to say, and a new run asks MLflow once torchrun is started)."""
     from draftlab import tracking
 
     t = params.train
@@ -76,9 +78,16 @@ def rank_plan(params: Params, a: acc.Accounting, step_tokens: list[int], *, data
         last_logged_step=tracking.last_step(run_id, "train/loss") if resumed else -1,
         # for the ETA: where epochs end (validation + checkpoint follow), and their cost
         epoch_steps=a.trained_steps if a.max_steps is not None else [e.steps for e in a.epochs],
-        val_steps=run_timing.val_steps(params, data_dir), **run_timing.priors(params, manifest_sha, device),
+        val_steps=run_timing.val_steps(params, data_dir),
+        **(run_timing.priors(params, manifest_sha, device) if priors else {}),
         optimizer={"adamw": "AdamW", "muon": "Muon"}[t.optimizer],
         verify_reads=t.verify_reads, warmup_steps=t.warmup_steps, watch=t.watch.model_dump())
+
+
+def with_priors(rd: RunDir, params: Params, manifest_sha: str, device: str) -> None:
+    """plan.json with the ETA's priors from earlier matching runs (rank_plan's `priors`), written
+    before run.json, which the ranks wait for before they read it."""
+    rd.plan.write(rd.plan.read().model_copy(update=run_timing.priors(params, manifest_sha, device)))
 
 
 def planned(rd: RunDir, a: acc.Accounting, plan: RankPlan) -> None:
