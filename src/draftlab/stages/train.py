@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.params import Params
-from draftlab.rundir import Command, RunDir
 from draftlab.registry import lineage
+from draftlab.rundir import Command, RunDir
 from draftlab.training import checkpoint as checkpoint_files
 from draftlab.training import launch, record, startup
 from draftlab.training.job import TrainResult, accounting_table, plan, preflight, rank_command, run_key, vocab_mappings
@@ -55,7 +54,6 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         return join(params, target_dir=target_dir, data_dir=data_dir, store_dir=store_dir, out_dir=out_dir)
     from draftlab import tracking
     from draftlab.console import console
-    from draftlab.tracking import MlflowTracker
 
     # preflight and plan: every check, then the exact accounting, before anything is written
     layer_ids, source, device = preflight(params, data_dir, store_dir, console, target_dir=target_dir, out_dir=out_dir)
@@ -81,33 +79,15 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
         console.print(accounting_table(a, params))
         clock.mark("folder")
 
-        def open_tracking(late: bool = False) -> _Tracking:
-            """Open (or resume) the MLflow run, and log what the run starts with; `late`: torchrun
-            is started (the ranks read plan.json, and rank 0 writes its relay file, as soon as
-            run.json is there), so the ETA's priors from earlier runs go into plan.json first."""
-            if late:
-                record.with_priors(rd, params, manifest_sha, device)
-                clock.mark("rank_plan")
-            run_id, resumed = tracking.open_run(rd.run, key, console, run_tags)  # run.json: the ranks go on
-            tracker = MlflowTracker(run_id, spool=rd.spool_path)
-            # rank 0's records reach the run through this process (tracking.Relay); a killed launch's
-            # that were not uploaded go now, before the resume asks the run for its last step
-            relay = tracking.Relay(rd.relay_path, rd.relay_sent_path, tracker)
-            if resumed:
-                relay.pump()
-            elif not late:
-                relay.restart()  # a new run in a folder whose run is gone: its relay starts empty
-            clock.mark("mlflow_run")
-            if resumed:
-                record.resumed(tracker, rd, run_id, console)
-            else:
-                record.started(tracker, params, a, source=source, device=device, manifest_sha=manifest_sha)
-            # the data as MLflow datasets (again on a resume: adds nothing)
+        def log_inputs(tracker) -> None:  # the data as MLflow datasets
             lineage.log_inputs(tracker, [lineage.prepared_dataset(data_dir, split="train", context="training",
                                                                   train_ratio=params.data.train_ratio),
                                          *lineage.source_datasets(source, context="training")])
-            clock.mark("run_params")
-            return _Tracking(run_id, resumed, tracker, relay)
+
+        def open_tracking(late: bool = False) -> record.Tracking:
+            return record.open_tracking(rd, key, params, a, source=source, device=device, manifest_sha=manifest_sha,
+                                        run_tags=run_tags, log_inputs=log_inputs, console=console, clock=clock,
+                                        late=late)
 
         # A new run's MLflow run is made once torchrun is started, beside the ranks' own start (its
         # import and store are about a second of CPU; the ranks wait for run.json only if they get
@@ -131,9 +111,10 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
             cmd, env = rank_command(params, target_dir=target_dir, data_dir=data_dir, source=live, out_dir=out_dir,
                                     layer_ids=layer_ids, total_steps=a.total_steps, device=device, run_id=run_id)
             rd.command.write(Command(cmd=cmd))
-            ranks = launch.run_ranks(cmd, env, rd, source=live, open_tracking=(lambda: early) if early else (lambda: open_tracking(late=True)),
-                                     console=console, device=device, clock=clock)
-        t: _Tracking = ranks.tracking
+            opening = (lambda: early) if early else (lambda: open_tracking(late=True))
+            ranks = launch.run_ranks(cmd, env, rd, source=live, open_tracking=opening, console=console, device=device,
+                                     clock=clock)
+        t: record.Tracking = ranks.tracking
         # check what the ranks did, then record it
         if ranks.rc != 0:
             raise record.failed(rd, ranks.rc, t.tracker, t.run_id, console)
@@ -147,13 +128,3 @@ def run(params: Params, *, target_dir: Path, data_dir: Path, store_dir: Path | N
                                resumed=t.resumed, started_at=started_at, console=console, clock=clock,
                                relay_cpu_s=t.relay.cpu_s)
 
-
-@dataclass
-class _Tracking:
-    """The training's MLflow run as the launcher holds it: its id, whether it was resumed, the
-    tracker, and the relay of rank 0's records."""
-
-    run_id: str
-    resumed: bool
-    tracker: object
-    relay: object

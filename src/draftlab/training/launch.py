@@ -68,7 +68,6 @@ def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, source, open_t
     from draftlab.observe.live import LiveVerdict
 
     started = time.perf_counter()
-    launcher_cpu = time.process_time()  # this process only: the launcher's share of the harness
     procs.clear_recorded(rd.path)
     rd.rank_done.unlink()
     if clock is not None:
@@ -82,6 +81,9 @@ def run_ranks(cmd: list[str], env: dict[str, str], rd: RunDir, *, source, open_t
         procs.kill_recorded(rd.path)
         rd.launch_file().unlink()
         raise
+    # this process only, from here: the launcher's share of the harness while the ranks run (a new
+    # run's MLflow work above is start-up, in its beside/ phases)
+    launcher_cpu = time.process_time()
     opened.relay.start()
     try:
         with tracking.system_metrics(opened.run_id, interval_s=2):

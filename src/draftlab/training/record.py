@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.params import Params, flatten
@@ -22,6 +23,48 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     return {f"version.{p}": md.version(p) for p in ("torch", "speculators", "transformers", "mlflow", "draftlab")}
+
+
+@dataclass
+class Tracking:
+    """The training's MLflow run as node 0's launcher holds it: its id, whether it was resumed,
+    the tracker, and the relay of rank 0's records (tracking.Relay)."""
+
+    run_id: str
+    resumed: bool
+    tracker: object
+    relay: object
+
+
+def open_tracking(rd: RunDir, key: str, params: Params, a: acc.Accounting, *, source, device: str,
+                  manifest_sha: str, run_tags: dict | None, log_inputs, console, clock,
+                  late: bool = False) -> Tracking:
+    """Open (or resume) the run folder's MLflow run and log what the run starts with (its params,
+    tags, and `log_inputs(tracker)`: the data as MLflow datasets, the stage's). `late`: torchrun
+    is started (a new run): the ranks read plan.json, and rank 0 writes its relay file, as soon as
+    run.json is there, so the ETA's priors from earlier runs go into plan.json first."""
+    from draftlab import tracking
+
+    if late:
+        with_priors(rd, params, manifest_sha, device)
+        clock.mark("rank_plan")
+    run_id, reopened = tracking.open_run(rd.run, key, console, run_tags)  # run.json: the ranks go on
+    tracker = tracking.MlflowTracker(run_id, spool=rd.spool_path)
+    # rank 0's records reach the run through the launcher; a killed launch's that were not
+    # uploaded go now, before the resume asks the run for its last step
+    relay = tracking.Relay(rd.relay_path, rd.relay_sent_path, tracker)
+    if reopened:
+        relay.pump()
+    elif not late:
+        relay.restart()  # a new run in a folder whose run is gone: its relay starts empty
+    clock.mark("mlflow_run")
+    if reopened:
+        resumed(tracker, rd, run_id, console)
+    else:
+        started(tracker, params, a, source=source, device=device, manifest_sha=manifest_sha)
+    log_inputs(tracker)  # again on a resume: adds nothing
+    clock.mark("run_params")
+    return Tracking(run_id, reopened, tracker, relay)
 
 
 def started(tracker, params: Params, a: acc.Accounting, *, source, device: str, manifest_sha: str) -> None:
