@@ -84,6 +84,30 @@ def _repro_until_the_server_dies(built, tmp_path: Path, mlflow_server):
     return dvc, repo, env
 
 
+def _hold(root: int) -> list[int]:
+    """SIGSTOP `root` and every process under it (twice over: one forking meanwhile is caught)."""
+    from tests.conftest import descendants
+
+    held: list[int] = []
+    for _ in range(2):
+        for pid in [root, *descendants(root)]:
+            if pid not in held:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    held.append(pid)
+                except ProcessLookupError:
+                    pass
+    return held
+
+
+def _release(held: list[int]) -> None:
+    for pid in held:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def _spooled_steps(spool: Path) -> list[int]:
     if not spool.exists():
         return []
@@ -99,7 +123,13 @@ def test_dvc_repro_and_a_sweep_log_to_a_shared_server_through_an_outage(built, t
     dvc, repo, env = _repro_until_the_server_dies(built, tmp_path, mlflow_server)
     out, spool = repo / "runs/train", repo / "runs/train/tracking-spool.jsonl"
     wait_for(lambda: _spooled_steps(spool), 120, "the launcher to keep an outage step of rank 0 in the spool", dvc)
-    mlflow_server.start()  # same port, same PostgreSQL store
+    # the server comes back (same port, same PostgreSQL store) while the pipeline is held: the
+    # rank no longer waits on the server, and would otherwise race its restart to evaluate's writes
+    held = _hold(dvc.pid)
+    try:
+        mlflow_server.start()
+    finally:
+        _release(held)
     output = dvc.communicate(timeout=600)[0]
     assert dvc.returncode == 0, output[-4000:]
     assert "upload them with `draftlab tracking-import" in output
