@@ -12,10 +12,10 @@ to a local JSONL spool (draftlab.rundir.SpoolRecord), the server is tried again 
 RETRY_ONLINE_S, and `draftlab tracking-import SPOOL` replays the spool later (MLflow skips metric
 records it already has, so importing twice logs nothing twice). The run's end (its status) is a
 spool record too (`MlflowTracker.end`): a server that stays down to the end costs nothing but
-one import, after which the run is complete and FINISHED. A training rank's writes fail fast
-(RANK_HTTP_ENV): MLflow's client would retry a dead server 7 times with exponential back-off,
-minutes per call, and the rank waits for its queued records before every checkpoint; every
-other draftlab process fails almost as fast (PROCESS_HTTP_ENV, the CLI's default).
+one import, after which the run is complete and FINISHED. MLflow's client would retry a dead
+server 7 times with exponential back-off, minutes per call: a draftlab process fails almost at
+once (PROCESS_HTTP_ENV, the CLI's default), and anything in a training rank that calls MLflow
+at once (RANK_HTTP_ENV, in the ranks' environment).
 
 A training's rank 0 opens no MLflow store: its records go as lines into the run folder's relay
 file (`RelayWriter`, the spool's format), and node 0's launcher, which holds the run and MLflow
@@ -242,8 +242,6 @@ class RelayWriter:
     relay file, RunDir.relay_path) as spool lines of run `run_id`, which node 0's launcher uploads
     (`Relay`). Imports no MLflow. `sync()` makes what was written so far survive a power cut (the
     rank calls it before every checkpoint)."""
-
-    outages, failed_call_s_max = 0, 0.0  # what a store write would report (rank.py's stall report)
 
     def __init__(self, path: Path, run_id: str):
         from draftlab import appendlog

@@ -294,3 +294,36 @@ def test_the_relay_thread_uploads_while_the_rank_writes_and_everything_at_its_st
     relay.stop()
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(5))
     assert relay.uploaded == 5 and rd.relay_sent_path.read_text() == str(rd.relay_path.stat().st_size)
+
+
+def test_a_relay_write_that_fails_is_raised_at_the_next_drain_not_a_hang(tmp_path):
+    """A full disk under the relay file: the checkpoint's drain says so instead of waiting forever."""
+    import threading
+
+    from draftlab.training.rank import _Background
+
+    class FullDisk:
+        def log_metrics_many(self, records):
+            raise OSError(28, "No space left on device")
+
+        def log_metrics(self, metrics, step=None):
+            self.log_metrics_many([(metrics, step, 0)])
+
+        def set_tags(self, tags):
+            pass
+
+    bg = _Background(FullDisk())
+    bg.log_metrics({"train/loss": 1.0}, step=0)
+    raised: list[BaseException] = []
+
+    def drain():
+        try:
+            bg.drain()
+        except OSError as err:
+            raised.append(err)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "drain() waited for a writer thread that had died"
+    assert raised and raised[0].errno == 28

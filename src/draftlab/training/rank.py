@@ -49,10 +49,8 @@ class _Background:
     cost ~20 ms of the step, and one background write per step 8–9 ms of CPU per step, taken
     from the trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu):
     where the trainer keeps every CPU busy its records wait for the next checkpoint's drain
-    (which syncs them to disk) or the end.
-
-    `tracker` may be a function that makes the tracker: the thread calls it first (an error
-    there is raised by drain() and close())."""
+    (which syncs them to disk, where the tracker can) or the end. A write that fails (a full
+    disk) is raised by the next drain() or close(), never left as a thread that drains nothing."""
 
     FLUSH_S = 1.0
 
@@ -60,25 +58,29 @@ class _Background:
         import queue
         import threading
 
-        self.make_tracker = tracker if not hasattr(tracker, "log_metrics") else (lambda: tracker)
-        self.tracker = None
+        self.tracker = tracker
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue()
         self.cpu_s = 0.0
-        self.setup_cpu_s = 0.0  # making the tracker (MLflow's import, its store): once, not per write
         self.drain_s: list[float] = []  # how long each drain() held the trainer (checkpoints)
         self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
         self.thread.start()
 
     def _send(self, records: list) -> None:
-        if self.tracker is None:
-            return
         many = getattr(self.tracker, "log_metrics_many", None)
         if many is not None:
             many(records)
         else:
             for metrics, step, _ in records:
                 self.tracker.log_metrics(metrics, step=step)
+
+    def _guarded(self, fn, *args) -> None:
+        if self.error is not None:  # the first failure stands; what follows is not written
+            return
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 — said by the trainer's thread (drain, close)
+            self.error = err
 
     def _work(self):
         import queue
@@ -87,11 +89,6 @@ class _Background:
         from draftlab.threads import yield_cpu
 
         yield_cpu()  # the writes wait for a CPU the trainer leaves (README, "Measuring a 3 % cost")
-        try:
-            self.tracker = self.make_tracker()
-        except Exception as err:  # noqa: BLE001 — said by the trainer's thread (drain, close)
-            self.error = err
-        self.setup_cpu_s = time.thread_time()
         pending, last, done = [], time.monotonic(), False
         while not done:
             wait = max(self.FLUSH_S - (time.monotonic() - last), 0.0) if pending else None
@@ -100,15 +97,14 @@ class _Background:
                 if item is None:
                     done = True
                 elif isinstance(item, _Tags):
-                    if self.tracker is not None:
-                        self.tracker.set_tags(item.tags)
+                    self._guarded(self.tracker.set_tags, item.tags)
                     continue
                 elif isinstance(item, threading.Event):  # drain(): send what is queued now
                     if pending:
-                        self._send(pending)
+                        self._guarded(self._send, pending)
                         pending, last = [], time.monotonic()
                     if hasattr(self.tracker, "sync"):
-                        self.tracker.sync()  # the relay file: on disk before the checkpoint
+                        self._guarded(self.tracker.sync)  # the relay file: on disk before the checkpoint
                     item.set()
                     continue
                 else:
@@ -116,11 +112,11 @@ class _Background:
             except queue.Empty:
                 pass
             if pending and (done or time.monotonic() - last >= self.FLUSH_S):
-                self._send(pending)
+                self._guarded(self._send, pending)
                 pending, last = [], time.monotonic()
-        self.cpu_s = time.thread_time() - self.setup_cpu_s  # the writes: the harness's per-step tracking cost
         if hasattr(self.tracker, "close"):
-            self.tracker.close()
+            self._guarded(self.tracker.close)
+        self.cpu_s = time.thread_time()  # the writes: the harness's per-step tracking cost
 
     def log_metrics(self, metrics, step=None):
         self.queue.put((metrics, step, int(time.time() * 1000)))
@@ -129,7 +125,7 @@ class _Background:
         self.queue.put(_Tags(tags))
 
     def drain(self) -> None:
-        """Block until every record queued so far is in the store."""
+        """Block until every record queued so far is written (and synced, where the tracker can)."""
         import threading
 
         started = time.monotonic()
@@ -429,8 +425,6 @@ def main(argv: list[str]) -> None:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
         cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
-        cpu.update({"tracking_setup": h.inner.tracker.setup_cpu_s for h in handlers
-                    if isinstance(h.inner, MetricsToTracker)})
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
