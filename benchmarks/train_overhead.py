@@ -502,7 +502,7 @@ def bench(args, tmp: Path, env: dict) -> None:
             runs = one_after_other(args, tmp, env, params_path, argv, total_steps, arms if i % 2 == 0 else arms[::-1], i)
         r = {kind: run["rates"] for kind, run in runs.items()}
         # the ratio's denominator: the bare trainer (side by side: under the same torchrun command)
-        b, f = r.get("bare", r["torchrun"]), r["full"]
+        b, f = (r["bare"] if "bare" in r else r["torchrun"]), r["full"]
         same_argv = len({tuple(_without_paths(run["argv"])) for run in runs.values()}) == 1
         same_tokens = len({tuple(x["step_tokens"]) for x in r.values()}) == 1
         eta = eta_check(runs["full"], total_steps, env["MLFLOW_TRACKING_URI"])

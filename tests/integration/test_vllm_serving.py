@@ -207,6 +207,19 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+def _group_titles(pgid: int) -> list[str]:
+    """The command lines (vLLM retitles its engine's processes) of the live processes in `pgid`."""
+    titles = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    titles.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+            except (OSError, ValueError):
+                continue
+    return titles
+
+
 def test_a_kill_9_of_draftlab_leaves_engine_processes_the_next_start_stops(built, tmp_path):
     _, target_dir, _, _ = built
     script = tmp_path / "holder.py"
@@ -217,6 +230,9 @@ def test_a_kill_9_of_draftlab_leaves_engine_processes_the_next_start_stops(built
         line = holder.stdout.readline()
         assert line, f"the server did not start: {(tmp_path / 'held.log').read_text()[-2000:]}"
         pgid = json.loads(line)["pgid"]
+        titles = _group_titles(pgid)
+        # on CPU the model runs in the engine's process: no worker process importing vLLM a third time
+        assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
         time.sleep(2.0)

@@ -98,12 +98,13 @@ def readme_command(serve_command: str, *, gpu: bool | None = None) -> list[str]:
     return [*server_prefix(words[2], gpu=gpu), *words[3:]]
 
 
-def server_env(env: dict | None = None) -> dict:
-    """The server's environment: on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it; AMX
-    allowed where the CPU has it (vllm_env.server_env)."""
+def server_env(env: dict | None = None, *, cpu: bool = False) -> dict:
+    """The server's environment: VLLM_CPU_KVCACHE_SPACE (GiB) unless the user set it; AMX allowed
+    where the CPU has it (vllm_env.server_env); `cpu` (a server started eager, as every CPU command
+    here is): its model in the engine's process (vllm_env.cpu_server_env)."""
     env = vllm_env.server_env(os.environ if env is None else env)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return env
+    return vllm_env.cpu_server_env(env) if cpu else env
 
 
 def vllm_serve_command(target: str, draft_dir: str | Path, *, num_speculative_tokens: int,
@@ -325,7 +326,7 @@ def running(command: list[str], *, log_path: Path, what: str, startup_timeout_s:
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(24) if api_key else None
-    server_env_ = server_env(env)
+    server_env_ = server_env(env, cpu="--enforce-eager" in command)  # server_prefix and extraction's CPU form
     if key:
         server_env_["VLLM_API_KEY"] = key
     for attempt in range(3):

@@ -90,6 +90,17 @@ def server_env(env: dict | None = None) -> dict:
     return env
 
 
+def cpu_server_env(env: dict) -> dict:
+    """`env` for a server on CPU: its model runs in the engine's process (no worker process of its
+    own), unless the user set VLLM_ENABLE_V1_MULTIPROCESSING. vLLM's CPU build otherwise starts three
+    Python processes that each import vLLM and torch (the API server, the engine, one worker); two
+    start in 14 s where three took 21 s on 2 cores (docs/figures.md, "vLLM's start on CPU"). The
+    API server keeps its engine in a process of its own either way."""
+    env = dict(env)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return env
+
+
 def api_server_command(python: str | None = None) -> list[str]:
     """The command prefix that starts vLLM's OpenAI-compatible server (arguments follow)."""
     return [python or vllm_python(), "-m", API_SERVER_MODULE]
