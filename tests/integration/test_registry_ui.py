@@ -129,6 +129,8 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # the downloaded folder alone (`vllm serve <folder>`), not through draftlab's server helper.
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="served by real vLLM: needs .venv-vllm "
                     "(scripts/install-vllm.sh of the vLLM evaluate backend); absent here")
+# once, from the team server: the sqlite store's download is the very folder too (the test above)
+@pytest.mark.parametrize("trained", ["postgresql"], indirect=True)
 def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
     """`models:/<name>@<alias>`, downloaded, is served by vLLM as it is: `--model <folder>` reads its
     speculators_config, loads the verifier named there and drafts with it (vLLM's counters)."""
