@@ -1,7 +1,8 @@
 """A record of every vLLM server draftlab starts, so that one a killed draftlab left running is
 found and stopped by the next run.
 
-Why: vLLM's API server runs its engine in child processes (`VLLM::EngineCore`, `VLLM::Worker`).
+Why: vLLM's API server runs its engine in child processes (`VLLM::EngineCore`, and
+`VLLM::Worker` where the model runs in processes of its own).
 The API server itself dies with draftlab (`procs.spawn`'s parent-death signal), but after a
 `kill -9` of draftlab its engine processes stay, holding the model's memory. Each server draftlab
 starts gets a file in the records folder (`DRAFTLAB_STATE_DIR`, default
