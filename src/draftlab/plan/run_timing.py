@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from draftlab.params import Params
 from draftlab.rundir import RankPlan, RunDir, Timing
+
+if TYPE_CHECKING:  # a rank imports this module for its ETA: the params' pydantic models are the launcher's
+    from draftlab.params import Params
 
 
 def val_steps(params: Params, data_dir: Path) -> int:
