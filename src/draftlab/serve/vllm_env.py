@@ -94,8 +94,9 @@ def cpu_server_env(env: dict) -> dict:
     """`env` for a server on CPU: its model runs in the engine's process (no worker process of its
     own), unless the user set VLLM_ENABLE_V1_MULTIPROCESSING. vLLM's CPU build otherwise starts three
     Python processes that each import vLLM and torch (the API server, the engine, one worker); two
-    start in 14 s where three took 21 s on 2 cores (docs/figures.md, "vLLM's start on CPU"). The
-    API server keeps its engine in a process of its own either way."""
+    answered in 14.1 s where three took 19.2 s on 2 cores (docs/figures.md, "vLLM's start on CPU").
+    The API server keeps its engine in a process of its own either way. Applied once, by
+    `serving.running`, to every server started in draftlab's CPU form."""
     env = dict(env)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env

@@ -125,8 +125,8 @@ def server_env(gpus: list[str]) -> dict:
 
     root = str(Path(draftlab.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return vllm_env.cpu_server_env(vllm_env.server_env(dict(
-        os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))))
+    return vllm_env.server_env(dict(os.environ, PYTHONPATH=path,
+                                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
 
 
 def guard_command(cmd: list[str]) -> list[str]:
