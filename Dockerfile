@@ -188,14 +188,14 @@ ARG USER_GID
 # PYTHONPATH=/workspace/src puts the mounted checkout's code first, so the code that runs is the
 # commit draftlab tags its MLflow runs with; this copy serves images run without a checkout.
 # `pip check` passes but for what the CPU set leaves out by design (requirements/cpu.in:
-# speculators declares torchvision and torchaudio).
+# speculators declares torchvision and torchaudio; mlflow declares scikit-learn, scipy and skops).
 WORKDIR /opt/draftlab
 COPY pyproject.toml README.md ./
 COPY src/ ./src/
 # (PIP_NO_CACHE_DIR=1 comes from either env stage, which hadolint cannot follow through ${IMAGE}.)
 # hadolint ignore=DL3042
 RUN pip install --no-deps --no-build-isolation . \
-    && broken="$(pip check | grep -vE '^No broken requirements found|^speculators [^ ]+ requires torch(vision|audio), which is not installed' || true)" \
+    && broken="$(pip check | grep -vE '^No broken requirements found|^speculators [^ ]+ requires torch(vision|audio), which is not installed|^mlflow [^ ]+ requires (scikit-learn|scipy|skops), which is not installed' || true)" \
     && if [ -n "${broken}" ]; then echo "${broken}"; exit 1; fi \
     && python -c "import draftlab"
 
