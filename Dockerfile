@@ -166,11 +166,17 @@ RUN if ! { command -v git && python3 -c "import ensurepip, venv" && test -s /etc
 # The packages come from a wheelhouse mounted at /wheelhouse when there is one (scripts/image-check.sh:
 # `podman build --network none --volume DIR:/wheelhouse:ro`), else from PyPI, with the CPU build of
 # torch, which PyPI does not serve, from TORCH_INDEX_URL. Either way every file must match its hash.
+# uv (requirements/uv.txt, hash-pinned, as scripts/lock-install.sh uses it on the host) installs
+# them, bytecode compiled on every core, then leaves: the venv holds the lock exactly. pip took
+# 98 s of the cold build on the shared 2-core VM (docs/container.md has the figures).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-COPY requirements/cpu.txt /opt/draftlab/requirements/cpu.txt
+COPY requirements/uv.txt requirements/cpu.txt /opt/draftlab/requirements/
 RUN if [ -d /wheelhouse ]; then set -- --no-index --find-links /wheelhouse; \
     else set -- --extra-index-url "${TORCH_INDEX_URL}"; fi \
-    && pip install --require-hashes --no-deps "$@" --requirement /opt/draftlab/requirements/cpu.txt \
+    && pip install --require-hashes --no-deps "$@" --target /tmp/uv --requirement /opt/draftlab/requirements/uv.txt \
+    && /tmp/uv/bin/uv pip install --no-cache --python "${VIRTUAL_ENV}/bin/python" --require-hashes --no-deps \
+        --compile-bytecode --index-strategy unsafe-best-match "$@" --requirement /opt/draftlab/requirements/cpu.txt \
+    && rm -rf /tmp/uv \
     && python -c "import torch, transformers; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 
 ENV DRAFTLAB_IMAGE=cpu

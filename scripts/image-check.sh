@@ -67,11 +67,11 @@ if [ -z "$WHEELHOUSE" ]; then
   "$HOST_PY" -c 'import sys, platform; sys.exit(sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64")' \
     || { echo "image-check: the host venv is not CPython 3.11 on x86_64; pass --wheelhouse DIR made for it" >&2; exit 2; }
   "$HOST_PY" -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes \
-    -r requirements/cpu.txt -d "$WHEELHOUSE" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    -r requirements/cpu.txt -r requirements/uv.txt -d "$WHEELHOUSE" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 elif [ ! -d "$WHEELHOUSE" ]; then
   echo "image-check: --wheelhouse $WHEELHOUSE is not a folder" >&2; exit 2
 fi
-missing="$("$HOST_PY" - "$WHEELHOUSE" requirements/cpu.txt <<'PY'
+missing="$("$HOST_PY" - "$WHEELHOUSE" requirements/cpu.txt requirements/uv.txt <<'PY'
 import re, sys
 from pathlib import Path
 norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
@@ -82,13 +82,14 @@ for f in Path(sys.argv[1]).iterdir():
     else:  # an sdist: name-version.tar.gz
         name, _, version = re.sub(r"\.(tar\.gz|zip)$", "", f.name).rpartition("-")
     have.add((norm(name), version))
-for name, version in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", Path(sys.argv[2]).read_text(), re.M):
-    if (norm(name), version) not in have:
-        print(f"{name}=={version}")
+for lock in sys.argv[2:]:
+    for name, version in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", Path(lock).read_text(), re.M):
+        if (norm(name), version) not in have:
+            print(f"{name}=={version}")
 PY
 )"
 if [ -n "$missing" ]; then
-  echo "image-check: the wheelhouse $WHEELHOUSE lacks $(echo "$missing" | head -n 3 | paste -sd, -)$( [ "$(echo "$missing" | wc -l)" -gt 3 ] && echo " and $(($(echo "$missing" | wc -l) - 3)) more"), pinned in requirements/cpu.txt (pip download -r requirements/cpu.txt -d DIR)" >&2
+  echo "image-check: the wheelhouse $WHEELHOUSE lacks $(echo "$missing" | head -n 3 | paste -sd, -)$( [ "$(echo "$missing" | wc -l)" -gt 3 ] && echo " and $(($(echo "$missing" | wc -l) - 3)) more"), pinned in requirements/cpu.txt or uv.txt (pip download -r requirements/cpu.txt -r requirements/uv.txt -d DIR)" >&2
   exit 2
 fi
 say "wheelhouse $WHEELHOUSE ($(ls "$WHEELHOUSE" | wc -l) files)"
@@ -226,8 +227,9 @@ PY
 "${PODMAN[@]}" rm -f "$ui" >/dev/null
 
 # ---- a sweep in the image: a completed trial, and nothing left running ---------------------------
-# experiments/sweep-tiny.yaml as users run it, at the shortest budget its calibration admits
-SWEEP="draftlab sweep experiments/sweep-tiny.yaml --budget 3m"
+# experiments/sweep-tiny.yaml as users run it, at the shortest budget its calibration admits, ended
+# after its two calibration trials and one search trial (the budget's own end is the suite's test)
+SWEEP="draftlab sweep experiments/sweep-tiny.yaml --budget 3m --n-trials 3"
 say "$SWEEP in the image"
 run sweep bash -c "$SWEEP"'; rc=$?
   python - <<"PY"

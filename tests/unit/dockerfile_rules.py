@@ -578,7 +578,8 @@ DEBIAN_PINNED = re.compile(r"^(docker\.io/)?(library/)?(debian|python):[^\s@]*bo
 def check_two_images(dockerfile_text: str) -> list[str]:
     """One final stage on `${IMAGE}-env` (default gpu) serves both images; the CPU image starts
     from a digest-pinned Debian 12 image; every pip install of the Python set uses a hash lock
-    with --require-hashes (only the flash-attn wheel built here and draftlab itself do not)."""
+    with --require-hashes (only the flash-attn wheel built here and draftlab itself do not; uv, the
+    installer, comes from its own hash lock, requirements/uv.txt)."""
     dockerfile = parse_dockerfile(dockerfile_text)
     problems = []
     if dockerfile.global_args.get("IMAGE") != "gpu":
@@ -610,7 +611,7 @@ def check_two_images(dockerfile_text: str) -> list[str]:
                 if want is None:
                     problems.append(f"line {instruction.line}: stage {stage.name} installs packages; only "
                                     f"{sorted(IMAGE_LOCKS)} install the locked sets")
-                elif not any(w.endswith(f"requirements/{want}") for w in words):
+                elif not any(w.endswith((f"requirements/{want}", "requirements/uv.txt")) for w in words):
                     problems.append(f"line {instruction.line}: stage {stage.name} must install requirements/{want}")
     for name, lock in IMAGE_LOCKS.items():
         stage = dockerfile.stage(name)
