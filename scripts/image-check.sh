@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Build draftlab's CPU image with podman and prove it, on a fresh clone of HEAD (docs/container.md):
 #   - the build runs with --network none: the base is Debian made with mmdebstrap (cached), the
-#     wheels come from a wheelhouse the host's pip downloads from requirements/cpu.txt (cached);
+#     wheels come from a wheelhouse the host's pip downloads from requirements/cpu.txt and uv.txt
+#     (cached), installed by uv;
 #   - `dvc repro` of the tiny default in the image, on a clone mounted at /workspace as a non-root
 #     uid that is not the image's default, exits 0 with the host venv's reports/metrics.json; a
 #     second `dvc repro` runs nothing; every file in the clone
 #     belongs to that uid; MLflow's git.commit is HEAD and git.dirty false;
 #   - `mlflow ui` from the image answers /health on a published port and lists the run over REST;
-#   - `draftlab sweep` of sweep-tiny.yaml's space completes a trial and leaves no process;
+#   - `draftlab sweep` of sweep-tiny.yaml's space completes its calibration and a search trial and
+#     leaves no process;
 #   - `scripts/gpu-check.sh` in the image skips every step with its reason and leaves its JSON;
 #   - it prints the cold and warm build times, the image size and in-container / host `dvc repro`.
 #
 #   scripts/image-check.sh [--target cpu] [--base IMAGE] [--wheelhouse DIR] [--uid N]
 #
 # Needs root (or rootful podman), podman, runc and mmdebstrap (Debian: apt-get install podman runc
-# mmdebstrap), the host venv (.venv, scripts/install.sh) and about 15 min on 2 cores. Caches live
+# mmdebstrap), the host venv (.venv, scripts/install.sh) and about 5 min on 2 cores. Caches live
 # in DRAFTLAB_IMAGE_CACHE (default /var/cache/draftlab-image). Nothing in this checkout is written.
 # Exit 0: proved; 1: a check failed; 2: bad input; 3: podman or mmdebstrap missing.
 set -euo pipefail
