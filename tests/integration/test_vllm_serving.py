@@ -94,11 +94,29 @@ def plain_server(built, tmp_path_factory):
                    "--served-model-name", serving.SERVED_NAME]
         with serving.running(command, log_path=log, what="plain", startup_timeout_s=STARTUP_S) as server:
             serving.free_port = real_free_port
+            rpc_dir = _rpc_dir(server.pid)
             yield server, taken
+        assert not rpc_dir.exists(), "the server's socket folder goes with it"
     finally:
         serving.free_port = real_free_port
         other.shutdown()
         other.server_close()
+
+
+def _rpc_dir(pid: int) -> Path:
+    """Where the server's vLLM keeps its ZeroMQ sockets (VLLM_RPC_BASE_PATH in its environment)."""
+    env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+    return Path(env[b"VLLM_RPC_BASE_PATH"].decode())
+
+
+def test_the_servers_sockets_are_in_a_private_folder_of_its_own(plain_server):
+    """vLLM's sockets between the API server and its engine: in a 0700 folder draftlab made for
+    this server (removed when it stops: the fixture checks), not loose in /tmp."""
+    server, _ = plain_server
+    rpc_dir = _rpc_dir(server.pid)
+    assert rpc_dir.name.startswith("draftlab-vllm-") and (rpc_dir.stat().st_mode & 0o777) == 0o700
+    sockets = [f for f in rpc_dir.iterdir() if f.is_socket()]
+    assert sockets, f"vLLM made no socket in {rpc_dir}"
 
 
 def test_the_key_is_required_and_another_servers_port_is_not_taken_for_ours(plain_server):
@@ -233,6 +251,7 @@ def test_a_kill_9_of_draftlab_leaves_engine_processes_the_next_start_stops(built
         titles = _group_titles(pgid)
         # on CPU the model runs in the engine's process: no worker process importing vLLM a third time
         assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
+        rpc_dir = _rpc_dir(pgid)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
         time.sleep(2.0)
@@ -241,6 +260,7 @@ def test_a_kill_9_of_draftlab_leaves_engine_processes_the_next_start_stops(built
         stopped = orphans.stop_orphans()
         assert [rec["pgid"] for rec in stopped] == [pgid]
         assert not procs.group_alive(pgid)
+        assert not rpc_dir.exists(), "the killed run's socket folder is removed with its engine"
         assert orphans.stop_orphans() == []  # nothing left, the record is gone
     finally:
         if holder.poll() is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -36,14 +37,15 @@ def _same_process(pid: int, start: int | None) -> bool:
     return start is not None and procs._start_ticks(pid) == start and not procs._zombie(pid)
 
 
-def record(pgid: int, *, port: int, what: str, log_path: Path) -> Path:
-    """Note a server just started (its leader's pid is its process group id); returns the file."""
+def record(pgid: int, *, port: int, what: str, log_path: Path, rpc_dir: str | None = None) -> Path:
+    """Note a server just started (its leader's pid is its process group id); returns the file.
+    `rpc_dir`: the server's own folder for vLLM's sockets, removed once the group is stopped."""
     folder = records_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / f"{pgid}.json"
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"pgid": pgid, "leader_start": procs._start_ticks(pgid), "port": port,
-                               "what": what, "log": str(log_path), "owner_pid": os.getpid(),
+                               "what": what, "log": str(log_path), "rpc_dir": rpc_dir, "owner_pid": os.getpid(),
                                "owner_start": procs._start_ticks(os.getpid())}))
     os.replace(tmp, path)
     return path
@@ -88,6 +90,8 @@ def stop_orphans(grace_s: float = 10.0) -> list[dict]:
                 if not procs.group_alive(pgid):
                     break
             stopped.append(rec)
+        if rec.get("rpc_dir") and not procs.group_alive(rec["pgid"]):
+            shutil.rmtree(rec["rpc_dir"], ignore_errors=True)
         forget(path)
     return stopped
 

@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -329,32 +330,43 @@ def running(command: list[str], *, log_path: Path, what: str, startup_timeout_s:
     server_env_ = server_env(env, cpu="--enforce-eager" in command)  # server_prefix and extraction's CPU form
     if key:
         server_env_["VLLM_API_KEY"] = key
-    for attempt in range(3):
-        chosen = port if port is not None else free_port()
-        base = f"http://127.0.0.1:{chosen}"
-        with open(log_path, "w") as log:
-            proc = procs.spawn([*command, "--host", "127.0.0.1", "--port", str(chosen)], env=server_env_,
-                               stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
-        rec_path = orphans.record(proc.pid, port=chosen, what=what, log_path=log_path)
-        try:
-            deadline = time.monotonic() + startup_timeout_s
-            while not _answers_as_ours(base, key, pgid=proc.pid, port=chosen):
-                if proc.poll() is not None:
-                    break
-                if time.monotonic() > deadline:
-                    raise ServingError(f"vLLM ({what}) did not answer on {base} within {startup_timeout_s:.0f} s; "
-                                       f"log {log_path}")
-                time.sleep(0.25)  # a refused connection costs nothing; a second's poll cost half a second a start
-            else:
-                yield Server(base_url=base, port=chosen, api_key=key, pid=proc.pid)
-                return
-            lost_port = _ADDRESS_IN_USE in log_path.read_text(errors="replace").lower()
-            if not (lost_port and port is None and attempt < 2):
-                raise ServingError(f"vLLM ({what}) exited with code {proc.returncode} before answering; "
-                                   f"log {log_path}: {_log_tail(log_path)}")
-        finally:
-            _stop(proc)
-            orphans.forget(rec_path)
+    # vLLM's ZeroMQ sockets between the API server and its engine are files named by a uuid, in /tmp
+    # unless VLLM_RPC_BASE_PATH says otherwise, and a stopped server leaves them there: each server
+    # gets a private folder of its own (mode 0700), removed with it (by stop_orphans after a kill -9)
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in server_env_:
+        rpc_dir = tempfile.mkdtemp(prefix="draftlab-vllm-")
+        server_env_["VLLM_RPC_BASE_PATH"] = rpc_dir
+    try:
+        for attempt in range(3):
+            chosen = port if port is not None else free_port()
+            base = f"http://127.0.0.1:{chosen}"
+            with open(log_path, "w") as log:
+                proc = procs.spawn([*command, "--host", "127.0.0.1", "--port", str(chosen)], env=server_env_,
+                                   stdout=log, stderr=subprocess.STDOUT)  # own group: stopped as a whole
+            rec_path = orphans.record(proc.pid, port=chosen, what=what, log_path=log_path, rpc_dir=rpc_dir)
+            try:
+                deadline = time.monotonic() + startup_timeout_s
+                while not _answers_as_ours(base, key, pgid=proc.pid, port=chosen):
+                    if proc.poll() is not None:
+                        break
+                    if time.monotonic() > deadline:
+                        raise ServingError(f"vLLM ({what}) did not answer on {base} within "
+                                           f"{startup_timeout_s:.0f} s; log {log_path}")
+                    time.sleep(0.25)  # a refused connection costs nothing; a second's poll cost half a second a start
+                else:
+                    yield Server(base_url=base, port=chosen, api_key=key, pid=proc.pid)
+                    return
+                lost_port = _ADDRESS_IN_USE in log_path.read_text(errors="replace").lower()
+                if not (lost_port and port is None and attempt < 2):
+                    raise ServingError(f"vLLM ({what}) exited with code {proc.returncode} before answering; "
+                                       f"log {log_path}: {_log_tail(log_path)}")
+            finally:
+                _stop(proc)
+                orphans.forget(rec_path)
+    finally:
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def benchmark_server(command: list[str], *, prompts: list, max_tokens: int, log_path: Path, speculative: bool,
