@@ -150,7 +150,12 @@ def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
     port = free_port()
     from draftlab.serve import vllm_env
 
-    env = vllm_env.server_env(dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"))  # AMX allowed
+    import shutil
+    import tempfile
+
+    rpc_dir = tempfile.mkdtemp(prefix="draftlab-test-vllm-")  # vLLM's sockets, not left behind in /tmp
+    env = vllm_env.server_env(dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                                   VLLM_RPC_BASE_PATH=rpc_dir))  # AMX allowed
     log = open(tmp_path / "vllm.log", "wb")  # noqa: SIM115 — closed below
     proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
                              "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "256"],
@@ -183,6 +188,7 @@ def test_the_aliased_folder_is_served_by_real_vllm(trained, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def _wait_text(browser, needles, timeout_s=300.0) -> str:
