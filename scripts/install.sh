@@ -29,6 +29,24 @@ locks=(requirements/cpu.txt)
 if [ "${1:-}" = "--test" ]; then locks+=(requirements/test.txt); fi
 scripts/lock-install.sh "$VENV" "${locks[@]}"
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
+# What the CPU lock leaves out by design (requirements/common.txt) but a venv made before may still
+# hold: transformers imports scikit-learn and scipy wherever they are installed, about 1 s of CPU
+# in every process that imports speculators (docs/figures.md, "What a process imports").
+left_out="$("$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+for name in ("scikit-learn", "scipy", "skops", "joblib", "threadpoolctl"):
+    try:
+        md.version(name)
+        print(name)
+    except md.PackageNotFoundError:
+        pass
+PY
+)"
+if [ -n "$left_out" ]; then
+  echo "install: removing $(echo $left_out) from $VENV: the CPU lock leaves them out (requirements/common.txt)"
+  # shellcheck disable=SC2086
+  "${PIP[@]}" uninstall -y $left_out
+fi
 # an editable install compiles nothing: draftlab's own modules too, once (see lock-install.sh)
 "$VENV/bin/python" -m compileall -q src >/dev/null
 
