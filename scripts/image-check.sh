@@ -125,7 +125,9 @@ say "base $BASE"
 # ---- fresh clones of HEAD: one for the build context and the host run, one for the container ----
 WORK="$(mktemp -d /tmp/draftlab-image-check.XXXXXX)"
 CONTAINERS=()
+HOST_PID=""
 cleanup() {
+  if [ -n "$HOST_PID" ]; then kill -- "-$HOST_PID" 2>/dev/null || true; fi
   for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
   rm -rf "$WORK"
 }
@@ -174,12 +176,14 @@ chown -R "$CHECK_UID:$CHECK_UID" "$WORK/ctr"
 touch "$WORK/start-marker"
 say "dvc repro on the host (venv) and in the image as uid $CHECK_UID, side by side"
 t0="$(now)"
-(cd "$WORK/host" && env -u MLFLOW_TRACKING_URI PATH="$ROOT/.venv/bin:$PATH" PYTHONPATH="$WORK/host/src" \
-   HF_HUB_OFFLINE=1 dvc repro >"$WORK/host-repro.log" 2>&1; rc=$?; now >"$WORK/host-repro.end"; exit $rc) &
-host_pid=$!
+# in a session of its own, so that an interrupted check stops the whole run (cleanup)
+(cd "$WORK/host" && exec setsid -w env -u MLFLOW_TRACKING_URI PATH="$ROOT/.venv/bin:$PATH" \
+   PYTHONPATH="$WORK/host/src" HF_HUB_OFFLINE=1 WORK="$WORK" \
+   bash -c 'dvc repro >"$WORK/host-repro.log" 2>&1; rc=$?; date +%s.%N >"$WORK/host-repro.end"; exit $rc') &
+HOST_PID=$!
 ctr_rc=0; run repro >"$WORK/ctr-repro.log" 2>&1 || ctr_rc=$?
 t1="$(now)"; CTR_S="$(secs "$t0" "$t1")"
-host_rc=0; wait "$host_pid" || host_rc=$?
+host_rc=0; wait "$HOST_PID" || host_rc=$?; HOST_PID=""
 [ "$host_rc" -eq 0 ] || { tail -n 20 "$WORK/host-repro.log" >&2; fail "dvc repro on the host failed"; }
 [ "$ctr_rc" -eq 0 ] || { tail -n 20 "$WORK/ctr-repro.log" >&2; fail "dvc repro in the image failed"; }
 HOST_S="$(secs "$t0" "$(cat "$WORK/host-repro.end")")"
