@@ -230,6 +230,10 @@ ENV HF_HOME=/cache/huggingface \
     VLLM_CACHE_ROOT=/cache/vllm \
     PYTHONPATH=/workspace/src
 
+# `mlflow ui` / `mlflow server` here start without MLflow's job runners (huey consumers for its
+# GenAI jobs), which serve nothing draftlab logs: 2 processes instead of 10 (compose.yaml).
+ENV MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+
 VOLUME ["/cache"]
 # MLflow UI / tracking server (`docker run -p 127.0.0.1:5000:5000 … mlflow ui --host 0.0.0.0`: the
 # container listens on every interface, the host publishes it on localhost only; or the compose service).

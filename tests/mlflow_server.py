@@ -1,8 +1,9 @@
 """The MLflow tracking server of compose.yaml, run for a test on 127.0.0.1: the `mlflow` service's
-own command with its host, port, backend store, artifact folder and allowed hosts replaced, so
-the test checks what compose runs, login included: compose's `--app-name=basic-auth` with
-deploy/mlflow-auth.ini (its user store moved to a temp sqlite file) and an admin password of the
-test's own, which clients send as MLFLOW_TRACKING_USERNAME/PASSWORD (`server.login_env`).
+own command and literal environment, with its host, port, backend store, artifact folder and
+allowed hosts replaced, so the test checks what compose runs, login included: compose's
+`--app-name=basic-auth` with deploy/mlflow-auth.ini (its user store moved to a temp sqlite file)
+and an admin password of the test's own, which clients send as MLFLOW_TRACKING_USERNAME/PASSWORD
+(`server.login_env`).
 
     server = MlflowServer(postgres_url, tmp_path / "mlartifacts").start()
     ...  # MLFLOW_TRACKING_URI=server.url, **server.login_env; requests.get(…, auth=server.auth)
@@ -45,6 +46,13 @@ def compose_command(*, host: str, port: int, backend: str, artifacts: Path) -> l
     return out
 
 
+def compose_environment() -> dict[str, str]:
+    """services.mlflow.environment of compose.yaml: its literal values (the ones compose does not
+    fill from .env, which the test sets itself)."""
+    environment = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["mlflow"]["environment"]
+    return {key: str(value) for key, value in environment.items() if "${" not in str(value)}
+
+
 def auth_config(dest: Path) -> Path:
     """deploy/mlflow-auth.ini (the file compose mounts) with its user store in `dest`'s folder."""
     config = configparser.ConfigParser()
@@ -56,8 +64,9 @@ def auth_config(dest: Path) -> Path:
 
 
 class MlflowServer:
-    def __init__(self, backend: str, artifacts: Path, log: Path | None = None):
+    def __init__(self, backend: str, artifacts: Path, log: Path | None = None, env: dict | None = None):
         self.port = free_port()
+        self.env = dict(env or {})  # over compose's environment (benchmarks/mlflow_server_start.py)
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = compose_command(host="127.0.0.1", port=self.port, backend=backend, artifacts=artifacts)
         self.log = log or Path(artifacts).parent / "mlflow-server.log"
@@ -70,8 +79,8 @@ class MlflowServer:
         self.login_env = {"MLFLOW_TRACKING_USERNAME": self.auth[0], "MLFLOW_TRACKING_PASSWORD": self.auth[1]}
 
     def start(self) -> MlflowServer:
-        env = dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(self.config), MLFLOW_AUTH_ADMIN_PASSWORD=self.auth[1],
-                   MLFLOW_FLASK_SERVER_SECRET_KEY=self.secret_key)
+        env = {**os.environ, **compose_environment(), **self.env, "MLFLOW_AUTH_CONFIG_PATH": str(self.config),
+               "MLFLOW_AUTH_ADMIN_PASSWORD": self.auth[1], "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret_key}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env=env)
