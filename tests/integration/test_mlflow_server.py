@@ -34,8 +34,14 @@ def mlflow_server(postgres_url, tmp_path, monkeypatch):
 
 def test_the_team_server_refuses_a_request_without_a_login(mlflow_server):
     """compose's server is closed by default: only /health answers without a login, and a
-    wrong password is refused too."""
+    wrong password is refused too. It starts none of MLflow's job runners (compose turns them
+    off: 8 processes that serve nothing draftlab logs)."""
     import requests
+
+    from tests.conftest import descendants
+
+    started = list(descendants(mlflow_server.proc.pid).values())
+    assert not [cmd for cmd in started if "mlflow.server.jobs" in cmd], f"MLflow's job runners run: {started}"
 
     api = f"{mlflow_server.url}/api/2.0/mlflow/experiments/search"
     assert requests.get(f"{mlflow_server.url}/health", timeout=30).status_code == 200
