@@ -15,7 +15,6 @@ team server pays it, and each test of the suite that starts one. Nothing passes 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -23,22 +22,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.mlflow_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_start import group_usage  # noqa: E402  (the same /proc count as vllm_start.py's)
+
 SETTLE_S = 5.0  # the job runners start after /health answers
-
-
-def _group(pgid: int) -> tuple[int, float]:
-    """(processes, utime + stime) of the live processes in `pgid`."""
-    tick, count, total = os.sysconf("SC_CLK_TCK"), 0, 0
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid:
-                    count += 1
-                    total += int(fields[11]) + int(fields[12])
-            except (OSError, ValueError, IndexError):
-                continue
-    return count, total / tick
 
 
 def start_once(work: Path, *, job_runners: bool) -> dict:
@@ -51,7 +39,7 @@ def start_once(work: Path, *, job_runners: bool) -> dict:
         server.start()
         wall = time.perf_counter() - t0
         time.sleep(SETTLE_S)
-        processes, cpu = _group(server.proc.pid)
+        processes, cpu = group_usage(server.proc.pid)
     finally:
         server.stop()
     return {"wall_s": wall, "cpu_s": cpu, "processes": processes}
@@ -61,7 +49,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=4)
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="mlflow_server_start-") as tmp:
         for i in range(args.pairs):

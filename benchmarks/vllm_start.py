@@ -29,18 +29,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _group_cpu_s(pgid: int) -> float:
-    """utime + stime of the live processes in `pgid` (the server's children are not reaped yet)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
+def group_usage(pgid: int) -> tuple[int, float]:
+    """(processes, utime + stime seconds) of the live processes in `pgid` (a server's children are
+    not reaped yet). benchmarks/mlflow_server_start.py uses it too."""
+    tick, count, total = os.sysconf("SC_CLK_TCK"), 0, 0
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
                 if int(fields[2]) == pgid:
+                    count += 1
                     total += int(fields[11]) + int(fields[12])
             except (OSError, ValueError, IndexError):
                 continue
-    return total / tick
+    return count, total / tick
 
 
 def start_once(params, target: Path, work: Path, *, in_engine: bool) -> dict:
@@ -58,7 +60,7 @@ def start_once(params, target: Path, work: Path, *, in_engine: bool) -> dict:
                          api_key=False) as server:
         server.get("/v1/models")
         wall = time.perf_counter() - t0
-        cpu = _group_cpu_s(server.pid)
+        _, cpu = group_usage(server.pid)
     return {"wall_s": wall, "cpu_s": cpu}
 
 
