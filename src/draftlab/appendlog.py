@@ -6,6 +6,7 @@ that did not finish. The writer trims it before it appends (`append`), so a late
 lands after garbage; the reader ignores it (`complete_lines`). Nothing complete is ever dropped.
 
     append(path, {"epoch": 0, "ids": [1, 2]})
+    steps = Appender(path); steps.append({"step": 0}); steps.append({"step": 1})   # one writer, kept open
     records = [json.loads(line) for line in complete_lines(path)]
 """
 
@@ -60,6 +61,50 @@ def append(path: Path, record: dict, *, sync: bool = False) -> None:
         f.flush()
         if sync:
             os.fsync(f.fileno())
+
+
+class Appender:
+    """`append` for a file one process writes a line to again and again (a rank's step records):
+    the file stays open, and a partial last line is trimmed when it opens and after a write that
+    failed, not before every line (two opens and a read per line cost a rank's trainer about
+    0.05 ms a step each). Nothing else may write the file while it is open."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = Path(path), None
+
+    def append(self, record: dict, *, sync: bool = False) -> None:
+        self.write(json.dumps(record) + "\n", sync=sync)
+
+    def write(self, lines: str, *, sync: bool = False) -> None:
+        """Whole lines (each ending in a newline), flushed to the OS; `sync`: to the disk too."""
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            trim_partial_line(self.path)  # a line torn by a kill, or by a failed write of ours
+            self.file = open(self.path, "a")  # noqa: SIM115 — kept open until close()
+        try:
+            self.file.write(lines)
+            self.file.flush()
+            if sync:
+                os.fsync(self.file.fileno())
+        except BaseException:
+            self._drop()  # a write cut short (a full disk): the next one reopens and trims what it left
+            raise
+
+    def sync(self) -> None:
+        if self.file is not None:
+            os.fsync(self.file.fileno())
+
+    def _drop(self) -> None:
+        file, self.file = self.file, None
+        try:
+            file.close()
+        except OSError:  # its buffer cannot reach the disk either: trimmed at the next open
+            pass
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
+            file.close()
 
 
 def complete_lines(text_or_path) -> list[str]:

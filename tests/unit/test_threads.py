@@ -53,23 +53,6 @@ def _nice(native_id: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, native_id)
 
 
-def test_the_ranks_tracking_writer_yields_the_cpu_and_the_trainers_thread_keeps_its_priority():
-    import threading
-
-    from draftlab.training.rank import _Background
-    from tests.conftest import RecordingTracker
-
-    mine = _nice(threading.get_native_id())
-    bg = _Background(RecordingTracker())
-    try:
-        bg.log_metrics({"train/loss": 1.0}, step=0)
-        bg.drain()  # the writer thread is running its loop by now
-        assert _nice(bg.thread.native_id) == threads.BACKGROUND_NICE
-        assert _nice(threading.get_native_id()) == mine
-    finally:
-        bg.close()
-
-
 def test_a_thread_another_library_started_is_found_by_name_and_lowered_alone():
     import threading
 

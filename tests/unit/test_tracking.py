@@ -28,13 +28,14 @@ def test_outage_spools_every_record_and_import_replays_it(tmp_path, monkeypatch,
     assert client.get_run(run.info.run_id).data.params["world_size"] == "2"
 
 
-def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch, store_uri):
+def test_the_ranks_writer_batches_steps_and_keeps_their_times(tmp_path, monkeypatch, store_uri):
+    import threading
     import time
 
     import mlflow
 
     from draftlab.tracking import MlflowTracker
-    from draftlab.training.rank import _Background
+    from draftlab.training.rank import _Batched
 
     uri = store_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -44,12 +45,14 @@ def test_the_ranks_background_writer_batches_steps_and_keeps_their_times(tmp_pat
     writes = []
     many = tracker.log_metrics_many
     tracker.log_metrics_many = lambda records: (writes.append(len(records)), many(records))
-    bg = _Background(tracker)
+    threads = threading.active_count()
+    bg = _Batched(tracker)
     made = []
     for step in range(40):
         made.append(int(time.time() * 1000))
         bg.log_metrics({"train/loss": 1.0 / (step + 1), "perf/eta_s": 40.0 - step}, step=step)
         time.sleep(0.005)
+    assert threading.active_count() == threads, "the trainer's records need no thread of their own"
     bg.close()
     assert sum(writes) == 40 and len(writes) <= 3, f"{len(writes)} store writes for 40 steps"
     history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
@@ -258,8 +261,8 @@ def test_rank_0s_relay_reaches_the_run_once_and_a_new_launcher_uploads_only_the_
     assert sorted(m.step for m in history) == [0, 1, 2, 3], "a record uploaded twice, or lost"
 
     # the rank's side costs it no MLflow import (about a second of CPU)
-    code = ("import sys; from draftlab.tracking import RelayWriter; from draftlab.training.rank import _Background; "
-            f"bg = _Background(RelayWriter({str(tmp_path / 'r.jsonl')!r}, 'x')); bg.log_metrics({{'a': 1.0}}, 0); "
+    code = ("import sys; from draftlab.tracking import RelayWriter; from draftlab.training.rank import _Batched; "
+            f"bg = _Batched(RelayWriter({str(tmp_path / 'r.jsonl')!r}, 'x')); bg.log_metrics({{'a': 1.0}}, 0); "
             "bg.drain(); bg.close(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -272,7 +275,7 @@ def test_the_relay_thread_uploads_while_the_rank_writes_and_everything_at_its_st
 
     from draftlab.rundir import RunDir
     from draftlab.tracking import MlflowTracker, Relay, RelayWriter
-    from draftlab.training.rank import _Background
+    from draftlab.training.rank import _Batched
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
     client = mlflow.MlflowClient(store_uri)
@@ -281,7 +284,7 @@ def test_the_relay_thread_uploads_while_the_rank_writes_and_everything_at_its_st
     relay = Relay(rd.relay_path, rd.relay_sent_path, MlflowTracker(run_id))
     monkeypatch.setattr(Relay, "POLL_S", 0.05)
     relay.start()
-    bg = _Background(RelayWriter(rd.relay_path, run_id))
+    bg = _Batched(RelayWriter(rd.relay_path, run_id))
     bg.log_metrics({"train/loss": 2.0}, step=0)
     bg.drain()  # before a checkpoint: on disk
     deadline = time.monotonic() + 30
@@ -300,7 +303,7 @@ def test_a_relay_write_that_fails_is_raised_at_the_next_drain_not_a_hang(tmp_pat
     """A full disk under the relay file: the checkpoint's drain says so instead of waiting forever."""
     import threading
 
-    from draftlab.training.rank import _Background
+    from draftlab.training.rank import _Batched
 
     class FullDisk:
         def log_metrics_many(self, records):
@@ -312,7 +315,7 @@ def test_a_relay_write_that_fails_is_raised_at_the_next_drain_not_a_hang(tmp_pat
         def set_tags(self, tags):
             pass
 
-    bg = _Background(FullDisk())
+    bg = _Batched(FullDisk())
     bg.log_metrics({"train/loss": 1.0}, step=0)
     raised: list[BaseException] = []
 

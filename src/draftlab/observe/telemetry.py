@@ -255,6 +255,9 @@ class StepProfileRecorder(logging.Handler):
         self.path = RunDir(run_dir).profile_file(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
+        # its own file handle, not logging's stream: speculators' dictConfig closes every handler's
+        # stream that exists when it configures logging, which is after this one is made
+        self.lines = appendlog.Appender(self.path)  # a torn last line (kill, full disk) is trimmed first
 
     def emit(self, record):
         msg = record.msg
@@ -263,9 +266,7 @@ class StepProfileRecorder(logging.Handler):
             return
         rec = {"t": time.time(), "rank": self.rank, "step": getattr(record, "step", None)}
         rec.update({k: profile[k] for k in self.KEYS if k in profile})
-        # opened per record: speculators' dictConfig closes every handler that exists when it
-        # configures logging, which is after this one is made
-        appendlog.append(self.path, rec)  # a torn last line (kill, full disk) is trimmed first
+        self.lines.append(rec)
 
 
 def read_step_records(run_dir: Path) -> list[dict]:

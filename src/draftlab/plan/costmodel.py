@@ -140,8 +140,13 @@ def typical_step_s(intervals: Sequence[float]) -> float:
     the times skew right and the median runs low), leaving out compile/warm-up outliers."""
     if not intervals:
         return 0.0
-    cap = OUTLIER_X * statistics.median(intervals)
-    return statistics.fmean(x for x in intervals if x <= cap)
+    # statistics.median and fmean's own arithmetic, without fmean's per-item generator (rank 0's
+    # ETA calls this every step, over up to 200 intervals)
+    xs = sorted(intervals)
+    half = len(xs) // 2
+    cap = OUTLIER_X * (xs[half] if len(xs) % 2 else (xs[half - 1] + xs[half]) / 2)
+    kept = [x for x in xs if x <= cap]
+    return math.fsum(kept) / len(kept)
 
 
 def settled(step_times: Sequence[float]) -> bool:

@@ -38,11 +38,12 @@ class StepWriter:
         self.path = RunDir(Path(run_dir)).step_metrics_path
         appendlog.trim_partial_line(self.path)  # torn by a kill or a full disk mid-line
         self.last = max(read(run_dir), default=-1)
+        self.lines = appendlog.Appender(self.path)  # after a torn line of a failed write, trimmed
 
     def write(self, step: int, metrics: dict) -> None:
         if step <= self.last:
             return
-        appendlog.append(self.path, {"step": step, **metrics})  # after a torn line of a failed write, trimmed
+        self.lines.append({"step": step, **metrics})
         self.last = step
 
 

@@ -42,31 +42,30 @@ class _Tags:
         self.tags = tags
 
 
-class _Background:
-    """Sends the rank's metric records from one worker thread, batched: at most one write per
-    FLUSH_S, each record keeping the time it was made. Rank 0's tracker is the relay file
-    (tracking.RelayWriter); when it wrote to MLflow itself, a synchronous sqlite write per step
-    cost ~20 ms of the step, and one background write per step 8–9 ms of CPU per step, taken
-    from the trainer on a 2-core host. The thread runs at the lowest priority (threads.yield_cpu):
-    where the trainer keeps every CPU busy its records wait for the next checkpoint's drain
-    (which syncs them to disk, where the tracker can) or the end. A write that fails (a full
-    disk) is raised by the next drain() or close(), never left as a thread that drains nothing."""
+class _Batched:
+    """Rank 0's metric records, written in batches on the trainer's own thread: at most one write
+    per FLUSH_S (a step's records wait in a list), each record keeping the time it was made. The
+    tracker is the relay file (tracking.RelayWriter), so a write is a few lines to a file the
+    rank holds open, about 0.05 ms a step. A writer thread cost more than the write: a wake-up and
+    a turn of the interpreter's lock every step, on the CPU the trainer runs on. `drain()` (before
+    every checkpoint) writes what waits and syncs it to disk. A write that fails (a full disk) is
+    raised by that drain() or close(); what follows it is not written."""
 
     FLUSH_S = 1.0
 
     def __init__(self, tracker):
-        import queue
-        import threading
-
         self.tracker = tracker
         self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue()
-        self.cpu_s = 0.0
+        self.pending: list = []
+        self.written_at = time.monotonic()
         self.drain_s: list[float] = []  # how long each drain() held the trainer (checkpoints)
-        self.thread = threading.Thread(target=self._work, name="draftlab-tracking", daemon=True)
-        self.thread.start()
 
-    def _send(self, records: list) -> None:
+    def _send(self) -> None:
+        records, self.pending, self.written_at = self.pending, [], time.monotonic()
+        if records:
+            self._guarded(self._write, records)
+
+    def _write(self, records: list) -> None:
         many = getattr(self.tracker, "log_metrics_many", None)
         if many is not None:
             many(records)
@@ -79,59 +78,24 @@ class _Background:
             return
         try:
             fn(*args)
-        except Exception as err:  # noqa: BLE001 — said by the trainer's thread (drain, close)
+        except Exception as err:  # noqa: BLE001 — said by the next drain() or close()
             self.error = err
 
-    def _work(self):
-        import queue
-        import threading
-
-        from draftlab.threads import yield_cpu
-
-        yield_cpu()  # the writes wait for a CPU the trainer leaves (README, "Measuring a 3 % cost")
-        pending, last, done = [], time.monotonic(), False
-        while not done:
-            wait = max(self.FLUSH_S - (time.monotonic() - last), 0.0) if pending else None
-            try:
-                item = self.queue.get(timeout=wait)
-                if item is None:
-                    done = True
-                elif isinstance(item, _Tags):
-                    self._guarded(self.tracker.set_tags, item.tags)
-                    continue
-                elif isinstance(item, threading.Event):  # drain(): send what is queued now
-                    if pending:
-                        self._guarded(self._send, pending)
-                        pending, last = [], time.monotonic()
-                    if hasattr(self.tracker, "sync"):
-                        self._guarded(self.tracker.sync)  # the relay file: on disk before the checkpoint
-                    item.set()
-                    continue
-                else:
-                    pending.append(item)
-            except queue.Empty:
-                pass
-            if pending and (done or time.monotonic() - last >= self.FLUSH_S):
-                self._guarded(self._send, pending)
-                pending, last = [], time.monotonic()
-        if hasattr(self.tracker, "close"):
-            self._guarded(self.tracker.close)
-        self.cpu_s = time.thread_time()  # the writes: the harness's per-step tracking cost
-
     def log_metrics(self, metrics, step=None):
-        self.queue.put((metrics, step, int(time.time() * 1000)))
+        self.pending.append((metrics, step, int(time.time() * 1000)))
+        if time.monotonic() - self.written_at >= self.FLUSH_S:
+            self._send()
 
     def set_tags(self, tags: dict) -> None:
-        self.queue.put(_Tags(tags))
+        self._send()  # in the order they were made
+        self._guarded(self.tracker.set_tags, tags)
 
     def drain(self) -> None:
-        """Block until every record queued so far is written (and synced, where the tracker can)."""
-        import threading
-
+        """Write every record made so far (and sync it, where the tracker can)."""
         started = time.monotonic()
-        sent = threading.Event()
-        self.queue.put(sent)
-        sent.wait()
+        self._send()
+        if hasattr(self.tracker, "sync"):
+            self._guarded(self.tracker.sync)  # the relay file: on disk before the checkpoint
         self.drain_s.append(time.monotonic() - started)
         if self.error is not None:
             raise self.error
@@ -143,8 +107,9 @@ class _Background:
                 "failed_call_s_max": getattr(self.tracker, "failed_call_s_max", 0.0)}
 
     def close(self):
-        self.queue.put(None)
-        self.thread.join()
+        self._send()
+        if hasattr(self.tracker, "close"):
+            self._guarded(self.tracker.close)
         if self.error is not None:
             raise self.error
 
@@ -178,7 +143,7 @@ class MetricsToTracker(logging.Handler):
 
     def __init__(self, tracker, plan: RankPlan, run_dir: Path):
         super().__init__()
-        self.tracker = _Background(tracker)
+        self.tracker = _Batched(tracker)
         self.optimizer = plan.optimizer
         self.run_dir = run_dir
         self.total_steps = plan.total_steps
@@ -424,7 +389,6 @@ def main(argv: list[str]) -> None:
     if run_dir is not None and rank == 0:
         # what draftlab's observers cost this rank (the launcher adds its own to train.json)
         cpu = {type(h.inner).__name__: h.cpu_s for h in handlers}
-        cpu.update({"tracking_thread": h.inner.tracker.cpu_s for h in handlers if isinstance(h.inner, MetricsToTracker)})
         tracking = next((h.inner.tracker.stall_report() for h in handlers if isinstance(h.inner, MetricsToTracker)),
                         None)
         RunDir(run_dir).rank_done.write(RankDone(harness_cpu_s=cpu, tracking=tracking, node_rank=node,
