@@ -564,14 +564,14 @@ def bench(args, tmp: Path, env: dict) -> None:
     print(f"RESULT tokens/s full/bare (wall-clock span, validation + checkpoints included): {_fmt(span_r)}")
     su = startup_summary(pairs)
     cpu = spread([p["harness_cpu_ms_per_step"] for p in pairs])
-    print(f"RESULT harness CPU per step (launcher process + rank 0's observers and tracking thread, "
+    print(f"RESULT harness CPU per step (launcher process + rank 0's observers, "
           f"train.json harness_cpu): {_fmt(cpu, 1)} ms, against a median step of "
           f"{statistics.median(p['full']['step_ms_median'] for p in pairs):.0f} ms")
     threads = list(dict.fromkeys(k for p in pairs for k in p["harness_cpu_ms_per_step_by_thread"]))
     print("harness CPU per step by thread, median ms (spread): " + "; ".join(
         f"{k} {_fmt(spread([p['harness_cpu_ms_per_step_by_thread'].get(k, 0.0) for p in pairs]), 2)}"
-        for k in threads) + " (rank 0's handlers run on the trainer's thread; its tracking_thread writes the relay file, "
-        "which the launcher's relay thread uploads to MLflow)")
+        for k in threads) + " (rank 0's handlers run on the trainer's thread, and write the relay file there once a second; "
+        "the launcher's relay thread uploads it to MLflow)")
     if all("torchrun_ratio" in p for p in pairs):
         print(f"RESULT split: torchrun alone (bare trainer under torchrun: gloo process group, DDP) tokens/s "
               f"torchrun/bare {_fmt(spread([p['torchrun_ratio'] for p in pairs]))}; draftlab's own part full/torchrun "

@@ -86,9 +86,9 @@ def log_timing(a, step_tokens: list[int], out_dir: Path, started_at: float, ende
 def harness_cpu(out_dir: Path, launcher_cpu_s: float, steps: int, relay_s: float = 0.0) -> dict:
     """CPU seconds draftlab itself spent per training step: the launcher process while the ranks
     ran (telemetry sampler, MLflow system metrics, the relay's uploads of rank 0's records, waiting)
-    plus rank 0's observers (step records, metric handler, its tracking thread). `relay_s`, the
-    relay thread's share of the launcher's, is shown apart (`launcher_relay_s`). Unlike tokens/s
-    ratios it holds under load."""
+    plus rank 0's observers (step records, metric handler with its relay-file writes, watch).
+    `relay_s`, the relay thread's share of the launcher's, is shown apart (`launcher_relay_s`).
+    Unlike tokens/s ratios it holds under load."""
     done = RunDir(out_dir).rank_done.read_or_none()
     rank = done.harness_cpu_s if done is not None else {}
     total = launcher_cpu_s + sum(rank.values())
