@@ -114,25 +114,6 @@ class _Batched:
             raise self.error
 
 
-class FreezeSetup(logging.Handler):
-    """At the end of the first step, everything set-up made (torch, transformers, speculators, the
-    model and its optimizer: about 570 k objects on the tiny default) goes into the collector's
-    permanent generation (`gc.freeze`, as vLLM does once its engine is up), so that a full
-    collection during training scans only what training made. Unfrozen, each one scanned them
-    all: 0.24 s on the tiny default, stalling the step it fell in."""
-
-    def __init__(self):
-        super().__init__()
-        self.frozen = False
-
-    def emit(self, record):
-        if not self.frozen and isinstance(record.msg, dict) and "profile" in record.msg:
-            import gc
-
-            gc.freeze()
-            self.frozen = True
-
-
 class CpuTimed(logging.Handler):
     """Runs another handler and adds up the CPU seconds it takes on the trainer's thread."""
 
@@ -342,7 +323,7 @@ def main(argv: list[str]) -> None:
     run_dir = Path(os.environ["DRAFTLAB_RUN_DIR"]) if "DRAFTLAB_RUN_DIR" in os.environ else None
     rank = int(os.environ.get("RANK", "0"))
     node = int(os.environ.get("DRAFTLAB_NODE_RANK", "0"))  # train.node_rank: c10d's RANK order ignores it
-    handlers = [CpuTimed(FreezeSetup())]
+    handlers = []
     # run.json first: a new run's launcher completes plan.json (the ETA's priors) before it
     state = await_run(RunDir(run_dir)) if run_dir is not None else None
     plan = RunDir(run_dir).plan.read() if run_dir is not None else None
