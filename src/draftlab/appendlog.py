@@ -66,8 +66,9 @@ def append(path: Path, record: dict, *, sync: bool = False) -> None:
 class Appender:
     """`append` for a file one process writes a line to again and again (a rank's step records):
     the file stays open, and a partial last line is trimmed when it opens and after a write that
-    failed, not before every line (two opens and a read per line cost a rank's trainer about
-    0.05 ms a step each). Nothing else may write the file while it is open."""
+    failed, not before every line (two opens and a read per line: the step profile recorder took
+    0.25 ms of a rank's step with them, 0.09 without). Nothing else may write the file while it
+    is open."""
 
     def __init__(self, path: Path):
         self.path, self.file = Path(path), None

@@ -37,17 +37,12 @@ from draftlab.store.hidden_states import HiddenStateFileError, clean_message, so
 from draftlab.training.compat import run_trainer
 
 
-class _Tags:
-    def __init__(self, tags: dict):
-        self.tags = tags
-
-
 class _Batched:
     """Rank 0's metric records, written in batches on the trainer's own thread: at most one write
     per FLUSH_S (a step's records wait in a list), each record keeping the time it was made. The
     tracker is the relay file (tracking.RelayWriter), so a write is a few lines to a file the
-    rank holds open. A writer thread cost more than the write: a wake-up and a turn of the
-    interpreter's lock every step, beside the trainer's. `drain()` (before
+    rank holds open. The writer thread this replaced cost more than the writes (0.18 ms a step
+    of its own, on the tiny default: a wake-up every step for a queue item). `drain()` (before
     every checkpoint) writes what waits and syncs it to disk. A write that fails (a full disk) is
     raised by that drain() or close(); what follows it is not written."""
 
