@@ -73,20 +73,22 @@ class Appender:
     def __init__(self, path: Path):
         self.path, self.file = Path(path), None
 
-    def append(self, record: dict, *, sync: bool = False) -> None:
-        self.write(json.dumps(record) + "\n", sync=sync)
-
-    def write(self, lines: str, *, sync: bool = False) -> None:
-        """Whole lines (each ending in a newline), flushed to the OS; `sync`: to the disk too."""
+    def open(self) -> None:
+        """Open it now (else the first write does), trimming a line a killed writer tore."""
         if self.file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             trim_partial_line(self.path)  # a line torn by a kill, or by a failed write of ours
             self.file = open(self.path, "a")  # noqa: SIM115 — kept open until close()
+
+    def append(self, record: dict) -> None:
+        self.write(json.dumps(record) + "\n")
+
+    def write(self, lines: str) -> None:
+        """Whole lines (each ending in a newline), flushed to the OS (`sync()`: to the disk)."""
+        self.open()
         try:
             self.file.write(lines)
             self.file.flush()
-            if sync:
-                os.fsync(self.file.fileno())
         except BaseException:
             self._drop()  # a write cut short (a full disk): the next one reopens and trims what it left
             raise

@@ -247,13 +247,11 @@ class RelayWriter:
         from draftlab import appendlog
 
         self.path, self.run_id = Path(path), run_id
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        appendlog.trim_partial_line(self.path)  # a killed rank's torn line: never read as a record
-        self.file = open(self.path, "a")
+        self.lines = appendlog.Appender(self.path)
+        self.lines.open()  # a killed rank's torn line goes now: never read as a record
 
     def _write(self, records: list[dict]) -> None:
-        self.file.write("".join(json.dumps(r) + "\n" for r in records))
-        self.file.flush()
+        self.lines.write("".join(json.dumps(r) + "\n" for r in records))
 
     def log_metrics_many(self, records) -> None:
         """[(metrics, step, timestamp_ms)], each one line."""
@@ -267,10 +265,10 @@ class RelayWriter:
         self._write([{"run_id": self.run_id, "kind": "tags", "tags": {k: str(v) for k, v in tags.items()}}])
 
     def sync(self) -> None:
-        os.fsync(self.file.fileno())
+        self.lines.sync()
 
     def close(self) -> None:
-        self.file.close()
+        self.lines.close()
 
 
 class Relay:

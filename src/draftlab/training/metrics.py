@@ -36,9 +36,8 @@ class StepWriter:
 
     def __init__(self, run_dir: Path):
         self.path = RunDir(Path(run_dir)).step_metrics_path
-        appendlog.trim_partial_line(self.path)  # torn by a kill or a full disk mid-line
-        self.last = max(read(run_dir), default=-1)
-        self.lines = appendlog.Appender(self.path)  # after a torn line of a failed write, trimmed
+        self.last = max(read(run_dir), default=-1)  # a line torn by a kill is not read, and trimmed at the first write
+        self.lines = appendlog.Appender(self.path)
 
     def write(self, step: int, metrics: dict) -> None:
         if step <= self.last:
