@@ -12,6 +12,10 @@ speculators' bare trainer on the same data and the same speculators argv, side b
   torchrun the bare trainer again, under `torchrun --standalone --nproc-per-node 1` (so a gloo
          process group and speculators' DDP wrapper): how much of full − bare is torchrun's, not
          draftlab's (`--no-torchrun-arm` skips it).
+  roomy  (`--roomy-arm`) the torchrun arm with its trainer called through `draftlab.pystack.call`,
+         as draftlab's rank calls it: the frame stack's chunk boundaries (CPython 3.11 maps and
+         unmaps a chunk at every crossing) then fall alike in both, and full/roomy is draftlab's
+         harness alone. Every arm's minor page faults per step (the profile's `minflt`) are printed.
 
 Both build their argv with `draftlab.training.job.speculators_argv` from one params file (the
 script checks they differ only in paths). Both are measured by the same instrument: the
@@ -57,6 +61,7 @@ never to runs/ or mlflow.db.
 
     python benchmarks/train_overhead.py                 # 256-token rows, 3 epochs = 63 steps, 2 pairs: ~4-7 min here
     python benchmarks/train_overhead.py --pairs 3 --json reports/train_overhead.json
+    python benchmarks/train_overhead.py --epochs 12 --pairs 48 --roomy-arm
     python benchmarks/train_overhead.py --threads 2 --total-seq-len 512 --epochs 6
     python benchmarks/train_overhead.py --side-by-side --epochs 12 --pairs 7
     python benchmarks/train_overhead.py --side-by-side --startup-only --epochs 1 --pairs 8   # ~4 min here
@@ -68,6 +73,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -94,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--torchrun-arm", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the bare trainer under torchrun (1 rank), to tell torchrun's own cost "
                     "(process group, DDP wrapper) from draftlab's")
+    ap.add_argument("--roomy-arm", action="store_true",
+                    help="also run the torchrun arm with its trainer called through draftlab.pystack.call, as "
+                    "draftlab's rank calls it (full/roomy: the harness alone, the frame stack's chunks alike)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per process (OMP_NUM_THREADS; 0 = torch's default). 1 by default: on a "
                     "shared 2-core machine a descheduled OpenMP thread stalls every parallel region")
@@ -131,12 +140,14 @@ class ProfileLines(logging.Handler):
             self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
         rec = {"t": time.time(), "rank": 0, "step": getattr(record, "step", None)}
         rec.update({k: profile[k] for k in PROFILE_KEYS if k in profile})
+        rec["minflt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # as StepProfileRecorder's
         self.file.write(json.dumps(rec) + "\n")
 
 
-def bare_rank(profile_path: str, argv: list[str]) -> None:
-    """train_rank.main without DRAFTLAB_RUN_DIR: compat.run_trainer, no draftlab observers. Notes
-    the same start-up marks as draftlab's rank (training.startup), in startup.json beside the profile."""
+def bare_rank(profile_path: str, argv: list[str], roomy: bool = False) -> None:
+    """train_rank.main without DRAFTLAB_RUN_DIR: compat.run_trainer, no draftlab observers (`roomy`:
+    called through draftlab.pystack.call, as the rank calls it). Notes the same start-up marks as
+    draftlab's rank (training.startup), in startup.json beside the profile."""
     main_at = time.time()
     import speculators  # noqa: F401 — as draftlab's rank does: its cost shows apart
 
@@ -146,7 +157,12 @@ def bare_rank(profile_path: str, argv: list[str]) -> None:
 
     marks = startup.rank_marks(main_at, speculators_at, time.time())
     Path(profile_path).with_name("startup.json").write_text(json.dumps(marks))
-    run_trainer(argv, metric_handlers=[ProfileLines(Path(profile_path))])
+    if roomy:
+        from draftlab import pystack
+
+        pystack.call(run_trainer, argv, metric_handlers=[ProfileLines(Path(profile_path))])
+    else:
+        run_trainer(argv, metric_handlers=[ProfileLines(Path(profile_path))])
 
 
 # ---------------------------------------------------------------- set-up
@@ -227,11 +243,12 @@ class Started:
 
 
 def start_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False,
-               cpu: int | None = None, delay_s: float = 0.0) -> tuple[Started, list[str]]:
+               cpu: int | None = None, delay_s: float = 0.0, roomy: bool = False) -> tuple[Started, list[str]]:
     argv = [x.replace("@OUT@", str(out)) for x in argv_template]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] if torchrun \
         else [sys.executable]
-    cmd = [*launcher, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"), "--", *argv]
+    cmd = [*launcher, str(Path(__file__).resolve()), "--_bare-rank", str(out / "profile.jsonl"),
+           *(["--roomy"] if roomy else []), "--", *argv]
     return Started(cmd, env=env, log=log, cwd=out.parent, cpu=cpu, delay_s=delay_s), argv
 
 
@@ -248,8 +265,9 @@ def finish_bare(started: Started, argv: list[str], out: Path, *, torchrun: bool 
     return run
 
 
-def run_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False) -> dict:
-    return finish_bare(*start_bare(argv_template, out, env, log, torchrun=torchrun), out, torchrun=torchrun)
+def run_bare(argv_template: list[str], out: Path, env: dict, log: Path, *, torchrun: bool = False,
+             roomy: bool = False) -> dict:
+    return finish_bare(*start_bare(argv_template, out, env, log, torchrun=torchrun, roomy=roomy), out, torchrun=torchrun)
 
 
 def start_full(params_path: Path, args, out: Path, env: dict, log: Path, *, cpu: int | None = None) -> Started:
@@ -301,7 +319,9 @@ def rates(run: dict, total_steps: int, window: tuple[float, float] | None = None
     body, body_tokens = [recs[i] for i in inside], sum(tokens[i] for i in inside)
     step_s = sum(r["step_ms"] for r in body) / 1000
     span_s = body[-1]["t"] - recs[inside[0] - 1]["t"]
+    faults = [recs[i]["minflt"] - recs[i - 1]["minflt"] for i in inside if "minflt" in recs[i] and "minflt" in recs[i - 1]]
     return {"steps_tokens_per_s": body_tokens / step_s, "span_tokens_per_s": body_tokens / span_s,
+            "minflt_per_step": statistics.median(faults) if faults else None,
             "steps_counted": len(body),
             "step_tokens": tokens, "startup_s": recs[0]["t"] - run["started"],
             "after_last_step_s": run["ended"] - recs[-1]["t"], "wall_clock_s": run["ended"] - run["started"],
@@ -341,7 +361,9 @@ def _fmt(s: dict, digits: int = 3) -> str:
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--_bare-rank":
         rest = sys.argv[3:]
-        bare_rank(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest)
+        roomy = rest[:1] == ["--roomy"]
+        rest = rest[1:] if roomy else rest
+        bare_rank(sys.argv[2], rest[1:] if rest[:1] == ["--"] else rest, roomy=roomy)
         return
     args = parse_args()
     for p in (args.target, args.data, args.store):
@@ -368,7 +390,7 @@ def one_after_other(args, tmp: Path, env: dict, params_path: Path, argv: list[st
             runs[kind] = run_full(params_path, args, out, env, log)
         else:
             out.mkdir()
-            runs[kind] = run_bare(argv, out, env, log, torchrun=kind == "torchrun")
+            runs[kind] = run_bare(argv, out, env, log, torchrun=kind in ("torchrun", "roomy"), roomy=kind == "roomy")
         runs[kind]["rates"] = rates(runs[kind], total_steps)
     return runs
 
@@ -484,6 +506,8 @@ def bench(args, tmp: Path, env: dict) -> None:
         arms = ("torchrun", "full")
     else:
         arms = ("bare", "torchrun", "full") if args.torchrun_arm else ("bare", "full")
+        if args.roomy_arm:
+            arms = (*arms[:-1], "roomy", "full")
     if args.startup_only:
         startup_bench(args, tmp, env, params_path, argv, total_steps)
         print(f"benchmark wall-clock {time.time() - t0:.0f} s")
@@ -517,6 +541,9 @@ def bench(args, tmp: Path, env: dict) -> None:
         if "torchrun" in r and "bare" in r:
             pair["torchrun_ratio"] = r["torchrun"]["steps_tokens_per_s"] / b["steps_tokens_per_s"]
             pair["full_over_torchrun"] = f["steps_tokens_per_s"] / r["torchrun"]["steps_tokens_per_s"]
+        if "roomy" in r:
+            pair["full_over_roomy"] = f["steps_tokens_per_s"] / r["roomy"]["steps_tokens_per_s"]
+            pair["roomy_over_torchrun"] = r["roomy"]["steps_tokens_per_s"] / r["torchrun"]["steps_tokens_per_s"]
         pair["harness_cpu_ms_per_step"] = 1000 * runs["full"]["harness_cpu"]["per_step_s"]
         hc = runs["full"]["harness_cpu"]
         pair["harness_cpu_ms_per_step_by_thread"] = {
@@ -530,6 +557,7 @@ def bench(args, tmp: Path, env: dict) -> None:
             f"{kind} {x['steps_tokens_per_s']:,.0f}" for kind, x in r.items()) + f" → full/bare {pair['steps_ratio']:.3f}"
             + (f", torchrun/bare {pair['torchrun_ratio']:.3f}, full/torchrun {pair['full_over_torchrun']:.3f}"
                if "torchrun_ratio" in pair else "")
+            + (f", full/roomy {pair['full_over_roomy']:.3f}" if "full_over_roomy" in pair else "")
             + (f" ({f['steps_counted']} and {b['steps_counted']} steps while both stepped)" if args.side_by_side else "")
             + f"; span full/bare {pair['span_ratio']:.3f}; start-up " + ", ".join(
             f"{kind} {x['startup_s']:.1f} s" for kind, x in r.items()) + "; whole command " + ", ".join(
@@ -539,6 +567,8 @@ def bench(args, tmp: Path, env: dict) -> None:
             + ("; torchrun − bare: " + ", ".join(
                f"{k[:-3]} {r['torchrun'][k + '_median'] - b[k + '_median']:+.0f}" for k in PHASES)
                if "torchrun_ratio" in pair else "")
+            + "; minor page faults per step " + ", ".join(
+                f"{kind} {x['minflt_per_step']:.0f}" for kind, x in r.items() if x["minflt_per_step"] is not None)
             + f"; ETA at step {eta['at_step']} {eta['eta_s']:.1f} s vs {eta['actual_remaining_s']:.1f} s actual "
             f"({eta['error']:+.1%}); same argv but paths: {same_argv}, same tokens per step: {same_tokens}")
         print(f"    start-up full/bare {pair['startup_ratio']:.2f}; by phase (s): " + "; ".join(
@@ -576,6 +606,15 @@ def bench(args, tmp: Path, env: dict) -> None:
         print(f"RESULT split: torchrun alone (bare trainer under torchrun: gloo process group, DDP) tokens/s "
               f"torchrun/bare {_fmt(spread([p['torchrun_ratio'] for p in pairs]))}; draftlab's own part full/torchrun "
               f"{_fmt(spread([p['full_over_torchrun'] for p in pairs]))}")
+    if all("full_over_roomy" in p for p in pairs):
+        print(f"RESULT harness alone, the frame stack's chunks alike: tokens/s full/roomy "
+              f"{_fmt(spread([p['full_over_roomy'] for p in pairs]))}; the stack's own part roomy/torchrun "
+              f"{_fmt(spread([p['roomy_over_torchrun'] for p in pairs]))}")
+    kinds = [k for k in ("bare", "torchrun", "roomy", "full") if all(p.get(k, {}).get("minflt_per_step") is not None
+                                                                      for p in pairs)]
+    if kinds:
+        print("minor page faults per step, median (spread): " + "; ".join(
+            f"{k} {_fmt(spread([p[k]['minflt_per_step'] for p in pairs]), 0)}" for k in kinds))
     print(f"RESULT ETA error at {ETA_AT_FRACTION:.0%} of {total_steps} steps (perf/eta_s vs end of the last step): "
           f"{_fmt(err)}; goal |error| ≤ 0.05")
     print(f"benchmark wall-clock {time.time() - t0:.0f} s")

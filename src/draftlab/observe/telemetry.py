@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -246,7 +247,8 @@ class TelemetrySampler:
 
 class StepProfileRecorder(logging.Handler):
     """A `speculators.metrics` handler for every rank: appends the rank's step profile
-    (fetch/fwd/bwd/opt/step ms, fetch_frac, tokens/s) to `<run_dir>/profile/rank<r>.jsonl`."""
+    (fetch/fwd/bwd/opt/step ms, fetch_frac, tokens/s) to `<run_dir>/profile/rank<r>.jsonl`, with
+    the process's minor page faults so far (`minflt`: a step that maps memory anew shows there)."""
 
     KEYS = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms", "fetch_frac", "tokens_per_s")
 
@@ -266,6 +268,7 @@ class StepProfileRecorder(logging.Handler):
             return
         rec = {"t": time.time(), "rank": self.rank, "step": getattr(record, "step", None)}
         rec.update({k: profile[k] for k in self.KEYS if k in profile})
+        rec["minflt"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self.lines.append(rec)
 
 

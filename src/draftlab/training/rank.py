@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftlab import pystack
 from draftlab.plan.run_timing import Eta
 from draftlab.rundir import Failure, Progress, RankDone, RankPlan, RunDir
 from draftlab.training import compat, startup
@@ -356,7 +357,8 @@ def main(argv: list[str]) -> None:
         source.install_in_rank(plan.verify_reads)  # the store: every file read is checked first
     marks = startup.rank_marks(main_at, speculators_at, time.time())
     try:
-        run_trainer(argv, metric_handlers=handlers)
+        # the steps' calls inside one chunk of the frame stack, whatever depth they start at (pystack)
+        pystack.call(run_trainer, argv, metric_handlers=handlers)
     except FloatingPointError as err:  # the launcher reads failure.json and says it once
         if run_dir is None or not isinstance(err, Diverged):
             print(f"draftlab: {err}", file=sys.stderr)
