@@ -1,19 +1,20 @@
 """The interpreter's frame stack: run a hot loop where its calls cannot cross a chunk boundary.
 
 CPython 3.11 keeps a thread's frames in chunks of 16 KiB, each mapped with mmap on the first
-call that does not fit and unmapped when that call returns (cpython#142183; the fix that keeps
-one spare chunk, cpython#145789, went into later releases, not 3.11's). A loop whose calls go in and
-out at a boundary maps and unmaps a chunk, and faults its pages in again, on every crossing:
-where the boundary falls depends only on how deep the loop starts. The trainer's steps are such
-a loop. Run under draftlab's rank, a few frames deeper than under speculators' own script, the
-tiny default's steps crossed a boundary about 58 times a step (5,600 minor page faults a second,
-`perf record -e page-faults`, all in `_PyThreadState_BumpFramePointerSlow`); the bare script
-crossed one about 6 times.
+call that does not fit and unmapped when that call returns (cpython#142183). The fix that keeps
+one spare chunk (cpython#145789, 2026) went into 3.13 and later, not into 3.11 (the CPU image's
+Python, where the figures below were measured) or 3.12 (the GPU image's). A loop whose calls go
+in and out at a boundary maps and unmaps a chunk, and faults its pages in again, at every
+crossing; where the boundary falls depends only on how deep the loop starts. The trainer's steps
+are such a loop: under draftlab's rank, a few frames deeper than under speculators' own script,
+the tiny default's steps took about 250 minor page faults each, 5,600 a second of them in
+`_PyThreadState_BumpFramePointerSlow` (`perf record -e page-faults`), against 51 a step for the
+bare script (docs/figures.md, "The frame stack's chunks").
 
 `call(fn, ...)` runs `fn` inside one frame that reserves half a chunk of 1 MiB: the interpreter
 gives a frame that large a chunk of its own, and every call below it has the other half, about
-64 k slots, so the loop stays inside that chunk at any depth it reaches. The reserved slots are empty locals: the frame costs 512 KiB of
-memory written once, and nothing per call.
+64 k slots, so the loop stays inside that chunk at any depth it reaches. The reserved slots are
+empty locals: the frame costs 512 KiB of memory written once, and nothing per call.
 """
 
 from __future__ import annotations

@@ -65,6 +65,12 @@ def test_two_gloo_ranks_odd_samples_accounting_verified_one_mlflow_run(built, tm
         assert r0 and r1 and not (r0[-1] & r1[-1])
     record = RunDir(tmp_path / "run").train.read()
     assert record.run_id == result.run_id
+    # every rank's step profile: one line a step, with the process's minor page faults so far
+    for rank in (0, 1):
+        prof = [json.loads(l) for l in RunDir(tmp_path / "run").profile_file(rank).read_text().splitlines()]
+        assert [r["step"] for r in prof] == list(range(a.total_steps))
+        faults = [r["minflt"] for r in prof]
+        assert faults == sorted(faults) and faults[0] > 0
     # the time to the first step, by phase: consecutive spans that add up to it, within the run's
     # wall-clock; a new run's MLflow run made beside the ranks' start, out of the sum
     from draftlab.training import startup
