@@ -500,6 +500,9 @@ def bench(args, tmp: Path, env: dict) -> None:
     print(f"setup: {total_steps} global steps ({args.epochs} epochs of {args.total_seq_len}-token rows, "
           f"world size {params.train.world_size()}), torch threads {args.threads or 'default'}, temp dir {tmp}")
 
+    if args.roomy_arm and (args.side_by_side or not args.torchrun_arm):
+        raise SystemExit("--roomy-arm runs beside the torchrun arm, one after the other: drop --side-by-side "
+                         "and --no-torchrun-arm")
     if args.side_by_side and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--side-by-side needs 2 CPUs in this process's affinity")
     if args.side_by_side:

@@ -8,8 +8,8 @@ in and out at a boundary maps and unmaps a chunk, and faults its pages in again,
 crossing; where the boundary falls depends only on how deep the loop starts. The trainer's steps
 are such a loop: under draftlab's rank, a few frames deeper than under speculators' own script,
 the tiny default's steps took about 250 minor page faults each, 5,600 a second of them in
-`_PyThreadState_BumpFramePointerSlow` (`perf record -e page-faults`), against 51 a step for the
-bare script (docs/figures.md, "The frame stack's chunks").
+`_PyThreadState_BumpFramePointerSlow` (`perf record -e page-faults`), against 49 a step for the
+bare script in one process and 16 through `call` (docs/figures.md, "The frame stack's chunks").
 
 `call(fn, ...)` runs `fn` inside one frame that reserves half a chunk of 1 MiB: the interpreter
 gives a frame that large a chunk of its own, and every call below it has the other half, about
