@@ -202,10 +202,9 @@ def study_status(path: Path) -> dict:
     path = Path(path)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
+        from draftlab.sweep.storage import journal
 
-        storage = JournalStorage(JournalFileBackend(str(path / "journal.log")))
+        storage = journal(path / "journal.log")
         names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
         name = path.name if path.name in names else (names[0] if names else None)
         if name is None:

@@ -598,3 +598,45 @@ def test_a_calibration_ends_only_once_its_point_or_its_redo_is_in_the_study(tmp_
     assert len(ended) == (1 if settled_at == 20 else 2), ended
     assert all(ended), "a calibration ended while its GPU count had neither a point nor a live calibration"
     assert statuses(w.study).count("completed") >= 1
+
+
+def test_a_worker_killed_mid_append_leaves_the_journal_writable(tmp_path, monkeypatch):
+    """`draftlab sweep --out sweeps` names the journal by a relative path in a subfolder. A worker
+    killed -9 while it holds the journal's append lock must not stop the next one from writing:
+    Optuna's default symlink lock, left behind there, is never forced (its link dangles) and every
+    later append spins on it for good."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import optuna
+
+    from draftlab.sweep.storage import StudyStorage
+
+    monkeypatch.chdir(tmp_path)
+    rel = "sweeps/it/journal.log"
+    optuna.create_study(study_name="it", storage=StudyStorage(rel).optuna)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from draftlab.sweep.storage import StudyStorage\n"
+        f"StudyStorage({rel!r}).optuna._backend._lock.acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGKILL)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the next worker's append, in a process of its own so that a lock never freed fails the test
+    # (after a bound far above any wait a freed lock can cause) instead of hanging the suite
+    nxt = subprocess.run([sys.executable, "-c", (
+        "import optuna\n"
+        "from draftlab.sweep.storage import StudyStorage\n"
+        "optuna.logging.set_verbosity(optuna.logging.ERROR)\n"
+        f"study = optuna.load_study(study_name='it', storage=StudyStorage({rel!r}).optuna)\n"
+        "study.tell(study.ask(), 1.0)\n"
+        "print(len(study.trials))\n")], capture_output=True, text=True, timeout=240)
+    assert nxt.returncode == 0 and nxt.stdout.strip() == "1", nxt.stderr
+    assert not (tmp_path / "sweeps/it/journal.log.lock").exists(), "Optuna's symlink lock is not used"

@@ -20,12 +20,20 @@ Two mechanisms, both in the database so that they hold across hosts:
              (`draftlab.interrupted.<number>` in the study) and stops its processes if they
              run on its host. JournalStorage has no heartbeat: there, a dead worker is found by
              its span in the ledger (draftlab.sweep.budget) and its pid.
+
+A journal's own append lock is `flock` on `<file>.append-lock` (`JournalAppendLock`), not
+Optuna's default symlink `<file>.lock`: the kernel drops a flock when its holder dies, where a
+symlink left by a worker killed mid-append stays. Optuna forces a stale symlink after 30 s by the
+mtime of the file it points at, and its link holds the path as given: a relative path in a
+subfolder (`--out sweeps`) dangles from the link's own folder, the mtime is never read, and
+every later worker spins on it for good (Optuna 5.0.0, `JournalFileSymlinkLock.acquire`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator
@@ -35,6 +43,43 @@ from draftlab.sweep.budget import HEARTBEAT_S, STALE_AFTER_S
 from draftlab.sweep.space import SpaceError
 
 INTERRUPTED_ATTR = "draftlab.interrupted."  # + trial number → {"reason", "by"} (a FAIL trial's attrs are frozen)
+
+
+class JournalAppendLock:
+    """The lock Optuna's `JournalFileBackend` takes around each append (`acquire`/`release`, its
+    `lock_obj`): an exclusive `flock` on `<journal>.append-lock`, held by an open descriptor, so it
+    ends with its holder however that holder ends. Separate from the study-wide lock, which is
+    held across Optuna writes."""
+
+    def __init__(self, journal_path: str | os.PathLike):
+        self.path = os.path.abspath(f"{os.fspath(journal_path)}.append-lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise RuntimeError(f"{self.path}: released without being held")
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def journal(path: str | os.PathLike):
+    """An Optuna JournalStorage on the file `path` (absolute, so a later chdir cannot move it),
+    appended under `JournalAppendLock`. Every draftlab process that writes a journal opens it here."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    path = os.path.abspath(os.fspath(path))
+    return optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=JournalAppendLock(path)))
 
 
 class StudyStorage:
@@ -47,10 +92,8 @@ class StudyStorage:
         self._on_stale: Callable | None = None
         self.rdb = "://" in url
         if not self.rdb:
-            from optuna.storages.journal import JournalFileBackend
-
             Path(url).parent.mkdir(parents=True, exist_ok=True)
-            self.optuna = optuna.storages.JournalStorage(JournalFileBackend(url))
+            self.optuna = journal(url)
             self._lock_path: Path | None = Path(url + ".draftlab-lock")
             return
         scheme = url.split("://", 1)[0].split("+", 1)[0]
