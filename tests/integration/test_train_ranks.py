@@ -44,8 +44,12 @@ def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_ea
         time.sleep(0.1)
     run_id = RunDir(out).run.read().run_id
 
-    rerun = subprocess.run(cmd, capture_output=True, text=True)
+    tmp = tmp_path / "tmp"  # the rerun's TMPDIR: torch's elastic agent makes a folder there per launch
+    tmp.mkdir()
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp)))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    left = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "draftlab-torchrun-")))
+    assert left == [], f"the launcher's log folders were left in TMPDIR: {left}"
 
     accounting = RunDir(out).accounting.read()
     assert accounting.world_size == WORLD_SIZE

@@ -8,6 +8,10 @@ after the last step that every training's tail, ETA and plan pay. The launcher's
 (rendezvous shutdown, exit barrier, error records) is inside `torch.distributed.run.main` and
 runs as before; only the teardown of loaded modules is skipped (atexit handlers still run).
 
+torch's elastic agent makes a log folder for every launch with `tempfile.mkdtemp(prefix="torchelastic_")`
+and never removes it: one empty tree in /tmp per training, per sweep trial. Here that folder is made
+inside one of this process's own, removed when torchrun returns (a launcher killed -9 still leaves it).
+
 A rank that stopped the run for a reason it wrote down (the run folder's failure.json: a NaN
 loss, a bad hidden-state file) already said why in one line: the elastic launcher's error report
 and traceback for it are not shown, and this process exits with that rank's code.
@@ -18,7 +22,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from draftlab.rundir import RunDir
 
 
@@ -45,6 +51,8 @@ def main() -> None:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.run"):
         logging.getLogger(name).addFilter(said)
+    scratch = tempfile.mkdtemp(prefix="draftlab-torchrun-")
+    tempfile.tempdir = scratch  # where the agent's mkdtemp puts its torchelastic_* folder
     try:
         torchrun()
         code = 0
@@ -54,6 +62,9 @@ def main() -> None:
         if not said.said():
             raise
         code = err.get_first_failure()[1].exitcode or 1
+    finally:
+        tempfile.tempdir = None
+        shutil.rmtree(scratch, ignore_errors=True)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
