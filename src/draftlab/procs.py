@@ -224,6 +224,19 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def gone(pid: int) -> bool:
+    """No process runs as `pid`: none has it, or only a zombie (exited, and its parent may never reap it)."""
+    if not Path("/proc").is_dir():
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return _zombie(pid)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")

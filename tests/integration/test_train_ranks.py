@@ -29,7 +29,10 @@ def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_ea
     out = tmp_path / "run"
     cmd = train_command(built, params, tmp_path / "params.yaml", out)
 
-    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tmp_path / "tmp"  # the runs' TMPDIR: torch's elastic agent makes a folder there per launch
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 1200  # a generous bound for a loaded 2-core host, not a speed check
     while not (out / "checkpoints" / "0" / "training_state.json").exists():
         assert launcher.poll() is None, "training ended before it could be killed"
@@ -44,12 +47,11 @@ def test_world_size_ranks_shard_as_speculators_sampler_and_kill_9_resume_logs_ea
         time.sleep(0.1)
     run_id = RunDir(out).run.read().run_id
 
-    tmp = tmp_path / "tmp"  # the rerun's TMPDIR: torch's elastic agent makes a folder there per launch
-    tmp.mkdir()
-    rerun = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TMPDIR=str(tmp)))
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # neither the rerun's nor the killed launcher's: the rerun removed that one
     left = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "draftlab-torchrun-")))
-    assert left == [], f"the launcher's log folders were left in TMPDIR: {left}"
+    assert left == [], f"the launchers' log folders were left in TMPDIR: {left}"
 
     accounting = RunDir(out).accounting.read()
     assert accounting.world_size == WORLD_SIZE

@@ -295,3 +295,20 @@ def test_a_long_run_logs_a_thinned_loss_curve_beside_every_step(tmp_path):
     thinned = [(step, m["train_mean/loss"]) for step, m in tracker.metrics if "train_mean/loss" in m]
     assert thinned == [(999, pytest.approx(499.5)), (1999, pytest.approx(1499.5)), (2499, pytest.approx(2249.5))]
     assert [step for step, m in tracker.metrics if "train/loss" in m] == list(range(2500))
+
+
+def test_a_launch_removes_the_scratch_folders_of_launchers_that_are_gone(tmp_path):
+    """torchrun's log folders live in `draftlab-torchrun-<pid>-…`; a launcher killed with -9 leaves its
+    folder, and the next launch removes it, never a live launcher's."""
+    import os
+    import subprocess
+
+    from draftlab.training.torchrun import SCRATCH_PREFIX, _reap_scratch
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"{SCRATCH_PREFIX}{dead.pid}-a1", f"{SCRATCH_PREFIX}{os.getpid()}-b2", f"{SCRATCH_PREFIX}x-c3", "other"):
+        (tmp_path / name / "torchelastic_x").mkdir(parents=True)
+    _reap_scratch(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{SCRATCH_PREFIX}{os.getpid()}-b2", f"{SCRATCH_PREFIX}x-c3", "other"])

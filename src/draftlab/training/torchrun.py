@@ -10,7 +10,8 @@ runs as before; only the teardown of loaded modules is skipped (atexit handlers 
 
 torch's elastic agent makes a log folder for every launch with `tempfile.mkdtemp(prefix="torchelastic_")`
 and never removes it: one empty tree in /tmp per training, per sweep trial. Here that folder is made
-inside one of this process's own, removed when torchrun returns (a launcher killed -9 still leaves it).
+inside one of this process's own (`draftlab-torchrun-<pid>-…`), removed when torchrun returns; the
+next launch on the host removes those of launchers that are gone (kill -9).
 
 A rank that stopped the run for a reason it wrote down (the run folder's failure.json: a NaN
 loss, a bad hidden-state file) already said why in one line: the elastic launcher's error report
@@ -25,6 +26,8 @@ import os
 import shutil
 import sys
 import tempfile
+
+from draftlab import procs
 from draftlab.rundir import RunDir
 
 
@@ -43,6 +46,21 @@ class _SaidWhy(logging.Filter):
         return record.levelno < logging.WARNING or not self.said()
 
 
+SCRATCH_PREFIX = "draftlab-torchrun-"
+
+
+def _reap_scratch(tmp: str) -> None:
+    """Remove the scratch folders of launchers whose process is gone (one killed with -9 could not)."""
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0] if name.startswith(SCRATCH_PREFIX) else ""
+        if pid.isdigit() and procs.gone(int(pid)):  # a live pid (reused or not) keeps its folder
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)  # another user's stays: not ours to remove
+
+
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -51,7 +69,8 @@ def main() -> None:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.errors", "torch.distributed.run"):
         logging.getLogger(name).addFilter(said)
-    scratch = tempfile.mkdtemp(prefix="draftlab-torchrun-")
+    _reap_scratch(tempfile.gettempdir())
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     tempfile.tempdir = scratch  # where the agent's mkdtemp puts its torchelastic_* folder
     try:
         torchrun()
