@@ -11,12 +11,12 @@ the *union* of the spans. A second worker on the same storage therefore shares t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from draftlab import procs
 from draftlab.params import Params
 from draftlab.plan.costmodel import Point
 
@@ -123,16 +123,6 @@ def union_s(spans: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 class Ledger:
     """This worker's span in the study, and the spent budget over all workers' spans."""
 
@@ -181,6 +171,6 @@ class Ledger:
         entry = self.workers(refresh=True).get(worker_id or "")
         if entry is None:
             return True
-        if entry["host"] == self.entry["host"] and not _pid_alive(entry["pid"]):
+        if entry["host"] == self.entry["host"] and procs.gone(entry["pid"]):
             return True
         return self.clock.now() - entry["last"] > self.stale_after_s
